@@ -1,0 +1,29 @@
+"""Paged KV-cache kernels: Triton launchers plus pure-torch references.
+
+``kernels.store_kv`` / ``paged_attention`` / ``copy_blocks`` /
+``copy_blocks_all_layers`` are the Triton launchers; ``kernels.reference``
+holds pure-torch equivalents with identical signatures. Triton is imported
+lazily (PEP 562 ``__getattr__``) so ``import kernels.reference`` works on
+machines without triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["store_kv", "paged_attention", "copy_blocks", "copy_blocks_all_layers"]
+
+# public name -> submodule that defines it (the submodule imports triton)
+_LAUNCHERS = {
+    "store_kv": "kernels.store_kv",
+    "paged_attention": "kernels.paged_attention",
+    "copy_blocks": "kernels.copy_blocks",
+    "copy_blocks_all_layers": "kernels.copy_blocks",
+}
+
+
+def __getattr__(name: str):
+    module = _LAUNCHERS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

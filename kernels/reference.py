@@ -1,0 +1,172 @@
+"""Pure-torch reference implementations of the paged KV-cache kernels.
+
+These double as the executor's CPU ("torch") backend, so they are vectorised:
+no per-token Python loops. Signatures match the Triton launchers in
+``kernels`` exactly. Importing this module never imports triton.
+
+Layouts (see docs/kernels.md):
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+      (possibly a per-layer view ``pool[layer, 0]`` of a larger pool)
+  slot of a token = block_id * block_size + offset_in_block
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "store_kv",
+    "paged_attention",
+    "copy_blocks",
+    "copy_blocks_all_layers",
+]
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new tokens' K/V into the paged cache, in place.
+
+    key, value: [T, KVH, D]; slot_mapping: [T] int32/int64, negative = skip.
+    """
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)  # [T]
+    keep = slots >= 0
+    # Boolean-filter once so skipped tokens never produce an index (a
+    # negative index would silently wrap around to the last block).
+    slots = slots[keep]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")  # [T']
+    offsets = slots - blocks * block_size  # [T']
+    # index_put_ writes through views, so per-layer slices of the pool work.
+    k_cache.index_put_((blocks, offsets), key[keep].to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), value[keep].to(v_cache.dtype))
+
+
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> torch.Tensor:
+    """Gather the first ``length`` tokens of sequences through block tables.
+
+    cache: [NB, BS, KVH, D]; block_table: [S, MB] -> returns [S, length, KVH, D].
+    """
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    # Table entries past a sequence's last block may be padding (e.g. -1);
+    # clamp them to a valid id: those positions are masked out anyway.
+    table = block_table[:, :n_blocks].to(torch.int64).clamp(0, cache.shape[0] - 1)
+    gathered = cache[table]  # [S, n_blocks, BS, KVH, D]
+    s = gathered.shape[0]
+    return gathered.reshape(s, n_blocks * block_size, *cache.shape[2:])[:, :length]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """fp32 masked attention with GQA.
+
+    q: [B, H, M, D]; k, v: [B, KVH, N, D]; mask: bool broadcastable to
+    [B, H, M, N] (True = attend) -> [B, H, M, D] fp32.
+    """
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        # Expanding instead of SDPA's enable_gqa keeps us on the plain math
+        # path for any torch build; K/V per call are small on CPU anyway.
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=scale
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Causal attention of flattened new tokens over the paged cache.
+
+    q: [T, H, D] (all sequences' new tokens, concatenated);
+    block_tables: [S, MB] int32; seq_lens: [S] int32 (total context incl. the
+    new tokens); query_start_loc: [S + 1] int32 cumulative query lengths.
+    Query token j of seq s sits at absolute position seq_lens[s] - q_len[s] + j
+    and attends to positions <= its own. Returns [T, H, D] in q.dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    device = q.device
+    # One host sync for the whole batch: the sequence lengths decide shapes.
+    qsl = query_start_loc.to(torch.int64).cpu()
+    lens = seq_lens.to(torch.int64).cpu()
+    q_lens = qsl[1:] - qsl[:-1]  # [S]
+    tables = block_tables.to(device)
+
+    # Decodes (q_len == 1) are batched into one padded attention call; each
+    # prefill chunk gets its own call, which avoids padding a big batch of
+    # decodes up to the longest prefill's query length.
+    decode_idx = torch.nonzero(q_lens == 1).flatten()
+    if decode_idx.numel() > 0:
+        d_lens = lens[decode_idx]  # [Sd]
+        max_len = int(d_lens.max())
+        idx_dev = decode_idx.to(device)
+        k = _gather_context(k_cache, tables[idx_dev], max_len)  # [Sd, L, KVH, D]
+        v = _gather_context(v_cache, tables[idx_dev], max_len)
+        rows = qsl[:-1][decode_idx].to(device)  # token index of each decode
+        qd = q[rows].unsqueeze(2)  # [Sd, H, 1, D]
+        # key position < seq_len (the decode token is the last position).
+        mask = torch.arange(max_len, device=device)[None, :] < d_lens.to(device)[:, None]
+        o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
+        out[rows] = o.squeeze(2).to(out.dtype)
+
+    prefill_idx = torch.nonzero(q_lens > 1).flatten().tolist()
+    for s in prefill_idx:
+        start, stop = int(qsl[s]), int(qsl[s + 1])
+        n_q, n_kv = stop - start, int(lens[s])
+        k = _gather_context(k_cache, tables[s : s + 1], n_kv)  # [1, L, KVH, D]
+        v = _gather_context(v_cache, tables[s : s + 1], n_kv)
+        q_pos = torch.arange(n_kv - n_q, n_kv, device=device)  # [Q]
+        mask = torch.arange(n_kv, device=device)[None, :] <= q_pos[:, None]  # [Q, L]
+        qs = q[start:stop].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), mask, scale)
+        out[start:stop] = o[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
+def copy_blocks(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Copy whole blocks src[i] -> dst[i] in both caches (copy-on-write).
+
+    src, dst: [P] int. All reads happen before writes; dst ids must be
+    distinct (the Triton kernel additionally requires dst disjoint from src).
+    """
+    src = src.to(device=k_cache.device, dtype=torch.int64)
+    dst = dst.to(device=k_cache.device, dtype=torch.int64)
+    k_cache[dst] = k_cache[src]
+    v_cache[dst] = v_cache[src]
+
+
+def copy_blocks_all_layers(
+    kv_pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """copy_blocks for every layer and both K and V of the whole pool.
+
+    kv_pool: [L, 2, NB, BS, KVH, D]; src, dst: [P] int.
+    """
+    src = src.to(device=kv_pool.device, dtype=torch.int64)
+    dst = dst.to(device=kv_pool.device, dtype=torch.int64)
+    kv_pool[:, :, dst] = kv_pool[:, :, src]
