@@ -1,0 +1,105 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class PreemptionMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREEMPTION_MODE_UNSPECIFIED: _ClassVar[PreemptionMode]
+    PREEMPTION_MODE_RECOMPUTE: _ClassVar[PreemptionMode]
+    PREEMPTION_MODE_SWAP: _ClassVar[PreemptionMode]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_CPU: _ClassVar[Tier]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_ERROR: FinishReason
+PREEMPTION_MODE_UNSPECIFIED: PreemptionMode
+PREEMPTION_MODE_RECOMPUTE: PreemptionMode
+PREEMPTION_MODE_SWAP: PreemptionMode
+TIER_UNSPECIFIED: Tier
+TIER_DEVICE: Tier
+TIER_CPU: Tier
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids", "ignore_eos", "beam_width", "length_penalty", "min_tokens", "logprobs")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    n: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    beam_width: int
+    length_penalty: float
+    min_tokens: int
+    logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class CacheOps(_message.Message):
+    __slots__ = ("copy_src", "copy_dst", "swap_out_src", "swap_out_dst", "swap_in_src", "swap_in_dst")
+    COPY_SRC_FIELD_NUMBER: _ClassVar[int]
+    COPY_DST_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_SRC_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_DST_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_SRC_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_DST_FIELD_NUMBER: _ClassVar[int]
+    copy_src: bytes
+    copy_dst: bytes
+    swap_out_src: bytes
+    swap_out_dst: bytes
+    swap_in_src: bytes
+    swap_in_dst: bytes
+    def __init__(self, copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., swap_out_src: _Optional[bytes] = ..., swap_out_dst: _Optional[bytes] = ..., swap_in_src: _Optional[bytes] = ..., swap_in_dst: _Optional[bytes] = ...) -> None: ...
+
+class TokenBatch(_message.Message):
+    __slots__ = ("seq_ids", "offsets", "token_ids")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: bytes
+    offsets: bytes
+    token_ids: bytes
+    def __init__(self, seq_ids: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
