@@ -1,0 +1,182 @@
+"""Live block accounting and the invariants behind it.
+
+The seeds' whole argument made visible: how many blocks are used, how full
+they are, how much sharing saves, how often prefixes hit, and what a
+contiguous max-length reservation would have needed for the same sequences.
+Computed on demand (O(blocks held)); never on the allocation path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from memory_service.kv_manager import ExecutorKV
+from memory_service.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class PoolAccounting:
+    executor_id: str = ""
+    total_blocks: int = 0
+    free_blocks: int = 0
+    used_blocks: int = 0
+    cached_blocks: int = 0
+    live_tokens: int = 0
+    allocated_slots: int = 0
+    kv_utilization: float = 0.0
+    logical_blocks: int = 0
+    physical_blocks: int = 0
+    sharing_saved_blocks: int = 0
+    prefix_hit_rate: float = 0.0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    preemptions_recompute: int = 0
+    preemptions_swap: int = 0
+    contiguous_equivalent_blocks: int = 0
+    num_sequences: int = 0
+    num_swapped_sequences: int = 0
+    swap_total_blocks: int = 0
+    swap_free_blocks: int = 0
+    copy_on_write_copies: int = 0
+    evictions: int = 0
+    block_size: int = 0
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccounting:
+    bs = kv.block_size
+    pool = kv.pool
+    filled: dict[int, int] = {}   # block id -> slots written (max over sharers)
+    logical = 0
+    running = swapped = 0
+    max_len = kv.spec.max_model_len or kv.spec.num_blocks * bs
+    for seq_id in kv.seq_ids:
+        seq = seqs[seq_id]
+        if seq.status is SeqStatus.SWAPPED:
+            swapped += 1
+        if not seq.blocks:
+            continue
+        running += 1
+        logical += len(seq.blocks)
+        n = seq.num_computed
+        for i, block in enumerate(seq.blocks):
+            f = min(bs, max(0, n - i * bs))
+            if f > filled.get(block.block_id, -1):
+                filled[block.block_id] = f
+    physical = len(filled)
+    live = sum(filled.values())
+    used = pool.num_blocks - pool.num_free
+    c = kv.counters
+    return PoolAccounting(
+        executor_id=kv.spec.executor_id,
+        total_blocks=pool.num_blocks,
+        free_blocks=pool.num_free,
+        used_blocks=used,
+        cached_blocks=pool.num_cached_free,
+        live_tokens=live,
+        allocated_slots=used * bs,
+        kv_utilization=live / (used * bs) if used else 0.0,
+        logical_blocks=logical,
+        physical_blocks=physical,
+        sharing_saved_blocks=logical - physical,
+        prefix_hit_rate=c.prefix_hit_tokens / c.prefix_query_tokens if c.prefix_query_tokens else 0.0,
+        prefix_query_tokens=c.prefix_query_tokens,
+        prefix_hit_tokens=c.prefix_hit_tokens,
+        preemptions=c.preemptions_recompute + c.preemptions_swap,
+        preemptions_recompute=c.preemptions_recompute,
+        preemptions_swap=c.preemptions_swap,
+        contiguous_equivalent_blocks=running * _cdiv(max_len, bs),
+        num_sequences=running,
+        num_swapped_sequences=swapped,
+        swap_total_blocks=kv.swap.num_blocks,
+        swap_free_blocks=kv.swap.num_free,
+        copy_on_write_copies=c.cow_copies,
+        evictions=pool.num_evictions,
+        block_size=bs,
+    )
+
+
+_SUMMED = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots",
+           "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_query_tokens", "prefix_hit_tokens",
+           "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks",
+           "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks",
+           "copy_on_write_copies", "evictions")
+
+
+def total_accounting(parts: list[PoolAccounting]) -> PoolAccounting:
+    total = PoolAccounting()
+    for part in parts:
+        for name in _SUMMED:
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+    sizes = {p.block_size for p in parts}
+    total.block_size = sizes.pop() if len(sizes) == 1 else 0
+    total.kv_utilization = total.live_tokens / total.allocated_slots if total.allocated_slots else 0.0
+    total.prefix_hit_rate = (total.prefix_hit_tokens / total.prefix_query_tokens
+                             if total.prefix_query_tokens else 0.0)
+    return total
+
+
+def check_invariants(kv: ExecutorKV, seqs: dict[int, Sequence]) -> list[str]:
+    """Every violated invariant of one executor's pool, as text (empty = sound)."""
+    bad: list[str] = []
+    pool = kv.pool
+    bs = kv.block_size
+    queue = pool.free_queue.block_ids()
+    if len(queue) != len(set(queue)):
+        bad.append("a block is in the free queue twice")
+    if len(queue) != pool.num_free:
+        bad.append(f"free queue length {len(queue)} != num_free {pool.num_free}")
+    holders: dict[int, int] = {}
+    for seq_id in kv.seq_ids:
+        seq = seqs.get(seq_id)
+        if seq is None or seq.executor_id != kv.spec.executor_id:
+            bad.append(f"sequence {seq_id} listed but not owned")
+            continue
+        for block in seq.blocks:
+            holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        if seq.status is SeqStatus.RUNNING:
+            if len(seq.blocks) != _cdiv(seq.num_computed, bs):
+                bad.append(f"seq {seq_id}: {len(seq.blocks)} blocks for {seq.num_computed} tokens")
+        elif seq.blocks:
+            bad.append(f"seq {seq_id} is {seq.status.value} but holds device blocks")
+        if seq.status is SeqStatus.SWAPPED and len(seq.swap_blocks) != _cdiv(seq.num_computed, bs):
+            bad.append(f"seq {seq_id}: {len(seq.swap_blocks)} swap blocks for {seq.num_computed} tokens")
+        if seq.num_computed > seq.num_tokens:
+            bad.append(f"seq {seq_id}: computed {seq.num_computed} > {seq.num_tokens} tokens")
+        for i, block in enumerate(seq.blocks[: seq.num_computed // bs]):
+            if block.token_ids is not None and list(block.token_ids) != seq.token_ids[i * bs:(i + 1) * bs]:
+                bad.append(f"seq {seq_id}: cached block {block.block_id} holds other tokens")
+    in_queue = set(queue)
+    num_used = 0
+    cached_free = 0
+    for block in pool.blocks:
+        if block.ref_cnt < 0:
+            bad.append(f"block {block.block_id} refcount {block.ref_cnt}")
+        if block.ref_cnt != holders.get(block.block_id, 0):
+            bad.append(f"block {block.block_id} refcount {block.ref_cnt} != {holders.get(block.block_id, 0)} holders")
+        if (block.ref_cnt == 0) != (block.block_id in in_queue):
+            bad.append(f"block {block.block_id}: refcount {block.ref_cnt} but in_queue={block.block_id in in_queue}")
+        if block.ref_cnt > 0:
+            num_used += 1
+        elif block.block_hash is not None:
+            cached_free += 1
+        if block.block_hash is not None and pool.cached.get(block.block_hash) is not block:
+            bad.append(f"block {block.block_id} has a hash the index maps elsewhere")
+    if num_used + pool.num_free != pool.num_blocks:
+        bad.append(f"free {pool.num_free} + used {num_used} != total {pool.num_blocks}")
+    if cached_free != pool.num_cached_free:
+        bad.append(f"cached free count {pool.num_cached_free} != {cached_free}")
+    for h, block in pool.cached.items():
+        if block.block_hash != h:
+            bad.append(f"index entry for block {block.block_id} does not match its hash")
+    held_swap = sum(len(seqs[s].swap_blocks) for s in kv.seq_ids if s in seqs)
+    if held_swap + kv.swap.num_free != kv.swap.num_blocks:
+        bad.append(f"swap: held {held_swap} + free {kv.swap.num_free} != {kv.swap.num_blocks}")
+    return bad

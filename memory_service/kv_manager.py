@@ -1,0 +1,279 @@
+"""Per-executor KV manager: block tables of the sequences living in one
+executor's pool, prefix hits, slot allocation with copy-on-write, fork,
+swap and free.
+
+Mechanism only. Every operation either succeeds or returns None with no
+change; which sequence to preempt is decided by the caller's policy.
+Cache operations (copies, swaps) are appended to a `CacheOpsBuilder` as data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memory_service.block import Block
+from memory_service.block_pool import BlockPool, SwapPool
+from memory_service.events import EventQueue
+from memory_service.prefix_hash import hash_block
+from memory_service.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class ExecutorSpec:
+    """What an executor registered (mirrors ExecutorPoolInfo)."""
+
+    executor_id: str
+    num_blocks: int
+    block_size: int
+    num_swap_blocks: int = 0
+    address: str = ""
+    model_id: str = ""
+    dtype: str = ""
+    incarnation: int = 0
+    pool_generation: int = 0
+    max_model_len: int = 0
+    vocab_size: int = 0
+    adapter: str = ""
+
+
+@dataclass(slots=True)
+class CacheOpsBuilder:
+    """Copy / swap ops of one executor for one step (executed: swap-out,
+    swap-in, then copies)."""
+
+    copy_src: list[int] = field(default_factory=list)
+    copy_dst: list[int] = field(default_factory=list)
+    swap_out_src: list[int] = field(default_factory=list)
+    swap_out_dst: list[int] = field(default_factory=list)
+    swap_in_src: list[int] = field(default_factory=list)
+    swap_in_dst: list[int] = field(default_factory=list)
+    # CPU blocks read by this step's swap-ins; reusable only after the step,
+    # or a swap-out (executed first) could overwrite them before they are read.
+    deferred_swap_free: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.copy_src or self.swap_out_src or self.swap_in_src)
+
+
+@dataclass(slots=True)
+class Counters:
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions_recompute: int = 0
+    preemptions_swap: int = 0
+    cow_copies: int = 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ExecutorKV:
+    """Block tables of one executor's sequences. Owns its BlockPool and SwapPool."""
+
+    def __init__(self, spec: ExecutorSpec, events: EventQueue | None = None) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.pool = BlockPool(spec.executor_id, spec.num_blocks, spec.block_size, events)
+        self.swap = SwapPool(spec.num_swap_blocks)
+        self.seq_ids: set[int] = set()
+        self.counters = Counters()
+        self.ops = CacheOpsBuilder()
+
+    # ---- prefix index -------------------------------------------------------
+
+    def _hashes(self, seq: Sequence, n_full: int) -> list[bytes]:
+        """seq.block_hashes extended to at least n_full entries."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        tokens = seq.token_ids
+        h = hashes[-1] if hashes else seq.root_hash
+        for i in range(len(hashes), n_full):
+            h = hash_block(h, tokens[i * bs:(i + 1) * bs])
+            hashes.append(h)
+        return hashes
+
+    def find_prefix(self, seq: Sequence) -> list[Block]:
+        """Leading cached blocks of seq's tokens. The last token is always left
+        to compute: the model needs its logits."""
+        bs = self.block_size
+        n_full = (seq.num_tokens - 1) // bs
+        if n_full <= 0:
+            return []
+        hits = []
+        pool = self.pool
+        tokens = seq.token_ids
+        h = seq.root_hash
+        hashes = seq.block_hashes
+        for i in range(n_full):
+            if i < len(hashes):
+                h = hashes[i]
+            else:
+                h = hash_block(h, tokens[i * bs:(i + 1) * bs])
+                hashes.append(h)
+            block = pool.lookup(h, tokens[i * bs:(i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def count_prefix_blocks(self, root_hash: bytes, token_ids, limit: int | None = None) -> int:
+        """Consecutive leading full blocks of token_ids this pool holds (scoring)."""
+        bs = self.block_size
+        n_full = len(token_ids) // bs
+        if limit is not None:
+            n_full = min(n_full, limit)
+        h = root_hash
+        for i in range(n_full):
+            chunk = token_ids[i * bs:(i + 1) * bs]
+            h = hash_block(h, chunk)
+            if self.pool.lookup(h, chunk) is None:
+                return i
+        return n_full
+
+    # ---- allocation ---------------------------------------------------------
+
+    def admit(self, seq: Sequence, max_new_tokens: int, count_hits: bool) -> tuple[int, int] | None:
+        """Give a WAITING sequence its blocks: prefix hits plus fresh blocks for
+        up to max_new_tokens more. Returns (num_cached_tokens, num_new_tokens)
+        or None (nothing changed)."""
+        bs = self.block_size
+        hits = self.find_prefix(seq)
+        num_hit_tokens = len(hits) * bs
+        k = min(max_new_tokens, seq.num_tokens - num_hit_tokens)
+        need = _cdiv(num_hit_tokens + k, bs) - len(hits)
+        reclaimed = sum(1 for b in hits if b.ref_cnt == 0)  # leave the free queue on touch
+        if need > self.pool.num_free - reclaimed:
+            return None
+        self.pool.touch(hits)
+        fresh = self.pool.allocate(need)
+        assert fresh is not None
+        seq.blocks = hits + fresh
+        seq.num_computed = num_hit_tokens
+        seq.num_cached_blocks = len(hits)
+        seq.status = SeqStatus.RUNNING
+        if count_hits:
+            self.counters.prefix_query_tokens += seq.num_tokens
+            self.counters.prefix_hit_tokens += num_hit_tokens
+        return num_hit_tokens, k
+
+    def allocate_slots(self, seq: Sequence, k: int) -> bool:
+        """Room for k more tokens of a RUNNING sequence, copying a shared block
+        it is about to write into. False (nothing changed) if short."""
+        bs = self.block_size
+        c = seq.num_computed
+        blocks = seq.blocks
+        first = c // bs
+        need = _cdiv(c + k, bs) - len(blocks)
+        shared = None
+        if first < len(blocks):
+            # Only blocks at or after the write position can be written; before
+            # a fork they are private, after it the partial tail is shared.
+            shared = [i for i in range(first, len(blocks)) if blocks[i].ref_cnt > 1]
+            need += len(shared)
+        if need > self.pool.num_free:
+            return False
+        pool = self.pool
+        if shared:
+            ops = self.ops
+            for i in shared:
+                old = blocks[i]
+                new = pool.allocate(1)[0]
+                ops.copy_src.append(old.block_id)
+                ops.copy_dst.append(new.block_id)
+                pool.free([old])
+                blocks[i] = new
+                self.counters.cow_copies += 1
+            need -= len(shared)
+        if need > 0:
+            blocks.extend(pool.allocate(need))
+        return True
+
+    def commit(self, seq: Sequence, k: int) -> None:
+        """The planned k tokens count as computed; newly full blocks enter the
+        prefix index."""
+        seq.num_computed += k
+        bs = self.block_size
+        n_full = seq.num_computed // bs
+        if n_full > seq.num_cached_blocks:
+            hashes = self._hashes(seq, n_full)
+            tokens = seq.token_ids
+            pool = self.pool
+            for i in range(seq.num_cached_blocks, n_full):
+                block = seq.blocks[i]
+                if block.block_hash is None:
+                    parent = hashes[i - 1] if i else None
+                    pool.cache_block(block, hashes[i], tokens[i * bs:(i + 1) * bs], parent, i)
+            seq.num_cached_blocks = n_full
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return _cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+
+    # ---- sharing, preemption, release ----------------------------------------
+
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """child shares every block of parent (refcount++). Returns blocks shared."""
+        for block in parent.blocks:
+            block.ref_cnt += 1
+        child.blocks = list(parent.blocks)
+        child.num_computed = parent.num_computed
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.block_hashes = list(parent.block_hashes)
+        child.status = parent.status
+        if parent.swap_blocks:
+            raise AssertionError("fork of a swapped sequence is refused by the caller")
+        return len(parent.blocks)
+
+    def release(self, seq: Sequence) -> int:
+        """Give back every block (device and swap). Returns device blocks freed."""
+        freed = self.pool.free(seq.blocks) if seq.blocks else 0
+        seq.blocks = []
+        if seq.swap_blocks:
+            self.swap.free(seq.swap_blocks)
+            seq.swap_blocks = []
+        seq.num_computed = 0
+        seq.num_cached_blocks = 0
+        return freed
+
+    def preempt_recompute(self, seq: Sequence) -> None:
+        self.release(seq)
+        seq.status = SeqStatus.WAITING
+        self.counters.preemptions_recompute += 1
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.blocks) <= self.swap.num_free
+
+    def preempt_swap(self, seq: Sequence) -> None:
+        cpu = self.swap.allocate(len(seq.blocks))
+        assert cpu is not None, "caller checks can_swap_out"
+        self.ops.swap_out_src.extend(b.block_id for b in seq.blocks)
+        self.ops.swap_out_dst.extend(cpu)
+        self.pool.free(seq.blocks)
+        seq.blocks = []
+        seq.swap_blocks = cpu
+        seq.num_cached_blocks = 0
+        seq.status = SeqStatus.SWAPPED
+        self.counters.preemptions_swap += 1
+
+    def swap_in(self, seq: Sequence, k: int) -> bool:
+        """Bring a SWAPPED sequence back with room for k more tokens."""
+        n = len(seq.swap_blocks)
+        need = max(n, _cdiv(seq.num_computed + k, self.block_size))
+        if need > self.pool.num_free:
+            return False
+        blocks = self.pool.allocate(need)
+        self.ops.swap_in_src.extend(seq.swap_blocks)
+        self.ops.swap_in_dst.extend(b.block_id for b in blocks[:n])
+        self.ops.deferred_swap_free.extend(seq.swap_blocks)
+        seq.swap_blocks = []
+        seq.blocks = blocks
+        seq.status = SeqStatus.RUNNING
+        return True
+
+    def take_ops(self) -> CacheOpsBuilder:
+        """This step's cache ops; deferred swap blocks become reusable now."""
+        ops = self.ops
+        if ops.deferred_swap_free:
+            self.swap.free(ops.deferred_swap_free)
+        self.ops = CacheOpsBuilder()
+        return ops

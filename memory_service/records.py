@@ -1,0 +1,79 @@
+"""Typed records at the memory service's boundary (servicer <-> manager).
+
+Packed arrays from the wire arrive as `array` objects (int64 'q' for ids,
+int32 'i' for counts and tokens) and leave the same way.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+from memory_service.kv_manager import CacheOpsBuilder
+from memory_service.policy import PreemptionMode
+
+
+@dataclass(slots=True)
+class NewSeq:
+    seq_id: int
+    executor_id: str
+    prompt_token_ids: array | list[int]
+    priority: int = 0
+    cache_salt: str = ""
+    max_total_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StepInput:
+    step_id: int = 0
+    # tokens sampled last step, CSR: appended_seq_ids[i] gets
+    # appended_tokens[appended_offsets[i]:appended_offsets[i + 1]]
+    appended_seq_ids: array | list[int] = field(default_factory=list)
+    appended_offsets: array | list[int] = field(default_factory=list)
+    appended_tokens: array | list[int] = field(default_factory=list)
+    forks: list[tuple[int, list[int]]] = field(default_factory=list)
+    free_seq_ids: array | list[int] = field(default_factory=list)
+    abort_seq_ids: array | list[int] = field(default_factory=list)
+    new_seqs: list[NewSeq] = field(default_factory=list)
+    schedule_seq_ids: array | list[int] = field(default_factory=list)
+    schedule_num_tokens: array | list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ExecutorStepPlan:
+    executor_id: str
+    incarnation: int
+    seq_ids: array = field(default_factory=lambda: array("q"))
+    context_lens: array = field(default_factory=lambda: array("i"))
+    query_lens: array = field(default_factory=lambda: array("i"))
+    block_table_offsets: array = field(default_factory=lambda: array("i", [0]))
+    block_tables: array = field(default_factory=lambda: array("i"))
+    slot_mapping: array = field(default_factory=lambda: array("i"))
+    num_cached_tokens: array = field(default_factory=lambda: array("i"))
+    ops: CacheOpsBuilder = field(default_factory=CacheOpsBuilder)
+
+
+@dataclass(slots=True)
+class Rejected:
+    seq_id: int
+    status: str      # gRPC status name
+    message: str
+
+
+@dataclass(slots=True)
+class StepOutput:
+    step_id: int
+    executor_plans: list[ExecutorStepPlan] = field(default_factory=list)
+    preempted: list[tuple[int, PreemptionMode]] = field(default_factory=list)
+    unscheduled: list[int] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PrefixScore:
+    executor_id: str
+    hit_blocks: int
+    hit_tokens: int
+    num_sequences: int
+    free_blocks: int
+    block_size: int

@@ -1,0 +1,43 @@
+"""A sequence as the memory service sees it: tokens, what is computed, and
+where its KV lives."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from memory_service.block import Block
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"    # no blocks: new, or preempted by recompute
+    RUNNING = "running"    # holds device blocks
+    SWAPPED = "swapped"    # KV held in the executor's CPU swap pool
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Mutated only by the executor's KVManager (blocks, counts) and the
+    MemoryManager (tokens, status)."""
+
+    seq_id: int
+    executor_id: str
+    token_ids: list[int]
+    root_hash: bytes                # h_{-1}: namespace chained with cache salt
+    priority: int = 0               # lower = more important
+    arrival: int = 0                # admission order; higher = newer
+    max_total_tokens: int = 0       # prompt + max new tokens (0 = executor limit)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0           # tokens whose KV is (or is being) written
+    blocks: list[Block] = field(default_factory=list)
+    swap_blocks: list[int] = field(default_factory=list)
+    # Chained hashes of full token blocks (not of physical blocks), computed lazily.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0      # leading blocks known to be in the prefix index
+    admitted: bool = False          # prefix hits count only on the first admission
+    num_cached_tokens: int = 0      # prefix hit at first admission (usage report)
+    num_prompt_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
