@@ -13,12 +13,15 @@ import importlib
 
 __all__ = ["store_kv", "paged_attention", "copy_blocks", "copy_blocks_all_layers"]
 
-# public name -> submodule that defines it (the submodule imports triton)
+# public name -> submodule that defines it (the submodule imports triton).
+# Submodules are named triton_<op> rather than <op>: importing a submodule
+# binds it as an attribute of the package, which would shadow a launcher of
+# the same name (kernels.store_kv would turn into a module).
 _LAUNCHERS = {
-    "store_kv": "kernels.store_kv",
-    "paged_attention": "kernels.paged_attention",
-    "copy_blocks": "kernels.copy_blocks",
-    "copy_blocks_all_layers": "kernels.copy_blocks",
+    "store_kv": "kernels.triton_store_kv",
+    "paged_attention": "kernels.triton_paged_attention",
+    "copy_blocks": "kernels.triton_copy_blocks",
+    "copy_blocks_all_layers": "kernels.triton_copy_blocks",
 }
 
 
@@ -26,4 +29,6 @@ def __getattr__(name: str):
     module = _LAUNCHERS.get(name)
     if module is None:
         raise AttributeError(f"module 'kernels' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    fn = getattr(importlib.import_module(module), name)
+    globals()[name] = fn  # later lookups skip __getattr__
+    return fn

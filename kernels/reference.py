@@ -50,20 +50,29 @@ def store_kv(
 
 
 def _gather_context(
-    cache: torch.Tensor, block_table: torch.Tensor, length: int
+    cache: torch.Tensor, block_table: torch.Tensor, max_len: int,
+    lengths: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Gather the first ``length`` tokens of sequences through block tables.
+    """Gather sequences' context tokens through their block tables.
 
-    cache: [NB, BS, KVH, D]; block_table: [S, MB] -> returns [S, length, KVH, D].
+    cache: [NB, BS, KVH, D]; block_table: [S, MB]; lengths: [S] on the
+    cache's device, None when every sequence is max_len long
+    -> [S, max_len, KVH, D], zero past each length.
     """
     block_size = cache.shape[1]
-    n_blocks = (length + block_size - 1) // block_size
+    n_blocks = (max_len + block_size - 1) // block_size
     # Table entries past a sequence's last block may be padding (e.g. -1);
-    # clamp them to a valid id: those positions are masked out anyway.
+    # clamp them to a valid id: those positions are zeroed below anyway.
     table = block_table[:, :n_blocks].to(torch.int64).clamp(0, cache.shape[0] - 1)
     gathered = cache[table]  # [S, n_blocks, BS, KVH, D]
     s = gathered.shape[0]
-    return gathered.reshape(s, n_blocks * block_size, *cache.shape[2:])[:, :length]
+    ctx = gathered.reshape(s, n_blocks * block_size, *cache.shape[2:])[:, :max_len]
+    # Slots past a sequence's length hold stale or uninitialised memory that
+    # may be NaN/inf; masking scores is not enough (0 * NaN = NaN in P @ V).
+    if lengths is not None:
+        pad = torch.arange(max_len, device=cache.device)[None, :] >= lengths[:, None]  # [S, L]
+        ctx = ctx.masked_fill(pad[:, :, None, None], 0)
+    return ctx
 
 
 def _attend(
@@ -123,12 +132,13 @@ def paged_attention(
         d_lens = lens[decode_idx]  # [Sd]
         max_len = int(d_lens.max())
         idx_dev = decode_idx.to(device)
-        k = _gather_context(k_cache, tables[idx_dev], max_len)  # [Sd, L, KVH, D]
-        v = _gather_context(v_cache, tables[idx_dev], max_len)
+        d_lens_dev = d_lens.to(device)
+        k = _gather_context(k_cache, tables[idx_dev], max_len, d_lens_dev)  # [Sd, L, KVH, D]
+        v = _gather_context(v_cache, tables[idx_dev], max_len, d_lens_dev)
         rows = qsl[:-1][decode_idx].to(device)  # token index of each decode
         qd = q[rows].unsqueeze(2)  # [Sd, H, 1, D]
         # key position < seq_len (the decode token is the last position).
-        mask = torch.arange(max_len, device=device)[None, :] < d_lens.to(device)[:, None]
+        mask = torch.arange(max_len, device=device)[None, :] < d_lens_dev[:, None]
         o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
         out[rows] = o.squeeze(2).to(out.dtype)
 
