@@ -1,0 +1,84 @@
+"""Bearer-token authentication for the gRPC services.
+
+One shared secret per deployment, sent by clients as ``authorization: Bearer
+<token>`` (see ``kvpager.channel``). Health and reflection are always open so
+probes and grpcurl work without the secret; a service may open more methods
+(e.g. read-only accounting) by full method name.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import grpc
+import grpc.aio
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIXES = (
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+_ALWAYS_OPEN = (HEALTH_PREFIX, *REFLECTION_PREFIXES)
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Rejects calls without the right bearer token with UNAUTHENTICATED.
+
+    Args:
+        token: the shared secret; must be non-empty.
+        open_methods: full method names ("/kvpager.v1.MemoryService/GetAccounting")
+            that need no token.
+    """
+
+    def __init__(self, token: str, open_methods: frozenset[str] = frozenset()) -> None:
+        if not token:
+            raise ValueError("TokenAuth needs a non-empty token")
+        self._expected = f"Bearer {token}".encode()
+        self.open_methods = frozenset(open_methods)
+
+    def is_open(self, method: str) -> bool:
+        return method in self.open_methods or method.startswith(_ALWAYS_OPEN)
+
+    def is_authorized(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                # Constant time, so the comparison leaks nothing about the secret.
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or self.is_open(handler_call_details.method):
+            return handler
+        if self.is_authorized(handler_call_details.invocation_metadata):
+            return handler
+        return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+
+def _rejecting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that only aborts.
+
+    An aio server interceptor cannot abort by itself (it has no context): it
+    must hand back a handler, and that handler's kind decides how grpc drives
+    it, so the kind has to match the method's.
+    """
+
+    async def abort_unary(_request, context):
+        await context.abort(code, details)
+
+    async def abort_stream(_request, context):
+        await context.abort(code, details)
+        yield  # pragma: no cover - makes this an async generator
+
+    kwargs = dict(
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(abort_unary, **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(abort_stream, **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(abort_unary, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(abort_stream, **kwargs)
