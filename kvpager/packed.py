@@ -80,3 +80,12 @@ def check_offsets(offsets: Sequence[int], num_rows: int, num_values: int, field:
     for a, b in zip(offsets, offsets[1:]):
         if b < a:
             raise InvalidArgument(f"{field}: offsets must not decrease")
+
+
+def array_bytes(a: array) -> bytes:
+    """Little-endian bytes of an array (a copy is swapped on big-endian hosts)."""
+    if _LITTLE:
+        return a.tobytes()
+    b = array(a.typecode, a)
+    b.byteswap()
+    return b.tobytes()

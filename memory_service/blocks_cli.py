@@ -1,0 +1,97 @@
+"""`kvpager blocks`: live block accounting from a running memory service."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+# The JSON keys promised to operators, in display order.
+KEYS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots",
+        "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate",
+        "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks",
+        "num_sequences", "num_swapped_sequences", "swap_free_blocks", "copy_on_write_copies", "evictions")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("blocks", help="show live KV block accounting of a memory service")
+    p.add_argument("--address", default="127.0.0.1:50051", help="memory service host:port")
+    p.add_argument("--executor", default="", help="only this executor")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--watch", action="store_true", help="keep updating (Ctrl-C to stop)")
+    p.add_argument("--interval-ms", type=int, default=1000)
+    p.add_argument("--timeout-s", type=float, default=5.0)
+    p.set_defaults(func=run)
+
+
+def snapshot_dict(snap) -> dict:
+    """AccountingSnapshot -> the documented JSON shape."""
+    def part(p) -> dict:
+        return {"executor_id": p.executor_id, **{k: getattr(p, k) for k in KEYS}}
+
+    out = part(snap.total)
+    del out["executor_id"]
+    out["executors"] = [part(p) for p in snap.executors]
+    out["mirror"] = {"enabled": snap.mirror_enabled, "stale": snap.mirror_stale,
+                     "lag_events": snap.mirror_lag_events}
+    out["step_id"] = snap.step_id
+    out["time_s"] = snap.time_s
+    return out
+
+
+def render_table(data: dict):
+    from rich.table import Table
+
+    table = Table(title="kvpager KV blocks", show_lines=False)
+    table.add_column("metric")
+    table.add_column("total", justify="right")
+    for ex in data["executors"]:
+        table.add_column(ex["executor_id"], justify="right")
+
+    def fmt(v) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    for key in KEYS:
+        table.add_row(key, fmt(data[key]), *[fmt(ex[key]) for ex in data["executors"]])
+    mirror = data["mirror"]
+    table.caption = ("mirror: " + ("off" if not mirror["enabled"] else
+                                   ("STALE" if mirror["stale"] else "in sync") + f", lag {mirror['lag_events']}"))
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+    from rich.console import Console
+    from rich.live import Live
+
+    from kvpager.channel import make_channel
+    from kvpager.v1 import memory_pb2, memory_pb2_grpc
+
+    channel = make_channel(args.address, aio=False)
+    stub = memory_pb2_grpc.MemoryServiceStub(channel)
+    console = Console()
+    try:
+        if not args.watch:
+            data = snapshot_dict(stub.GetAccounting(memory_pb2.AccountingRequest(executor_id=args.executor),
+                                                    timeout=args.timeout_s))
+            if args.json:
+                print(json.dumps(data))
+            else:
+                console.print(render_table(data))
+            return 0
+        stream = stub.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=args.interval_ms))
+        if args.json:
+            for snap in stream:
+                print(json.dumps(snapshot_dict(snap)), flush=True)
+            return 0
+        with Live(console=console, auto_refresh=False) as live:
+            for snap in stream:
+                live.update(render_table(snapshot_dict(snap)), refresh=True)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except grpc.RpcError as exc:
+        print(f"kvpager blocks: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()

@@ -1,0 +1,169 @@
+"""The memory service's process state around the pure manager: executor
+leases, metrics, and the hook the Redis mirror hangs on. No grpc here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import REGISTRY, Collector
+
+from kvpager.errors import FailedPrecondition, NotFound
+from kvpager.telemetry import get_logger
+from memory_service.kv_manager import ExecutorSpec
+from memory_service.manager import MemoryManager
+from memory_service.records import PrefixScore, StepInput, StepOutput
+
+log = get_logger("memory_service")
+
+STEP_LATENCY = Histogram("kvpager_memory_step_seconds", "In-process Step planning time.",
+                         buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1))
+STEP_SEQS = Counter("kvpager_memory_scheduled_sequences_total", "Sequences scheduled across all steps.")
+PREEMPTIONS = Counter("kvpager_memory_preemptions_total", "Preemptions by mode.", ["mode"])
+
+
+@dataclass(slots=True)
+class MirrorStatus:
+    enabled: bool = False
+    stale: bool = False
+    lag_events: int = 0
+
+
+class MemoryState:
+    """Owns the MemoryManager for one process. Executors that serve an address
+    must heartbeat; one silent for `expiry_leases` leases is dropped and every
+    block it held is released."""
+
+    def __init__(self, manager: MemoryManager | None = None, lease_s: float = 5.0,
+                 expiry_leases: float = 3.0) -> None:
+        self.manager = manager or MemoryManager()
+        self.lease_s = lease_s
+        self.expiry_leases = expiry_leases
+        self._last_seen: dict[str, float] = {}
+        self.mirror = None  # set by the Redis mirror when enabled
+        self._collector = _AccountingCollector(self)
+        _COLLECTORS.attach(self._collector)
+
+    def close(self) -> None:
+        _COLLECTORS.detach(self._collector)
+
+    # executors
+    def register_executor(self, spec: ExecutorSpec) -> bool:
+        replaced = self.manager.register_executor(spec)
+        self._last_seen[spec.executor_id] = time.monotonic()
+        log.info("executor registered", executor_id=spec.executor_id, num_blocks=spec.num_blocks,
+                 block_size=spec.block_size, incarnation=spec.incarnation, replaced=replaced)
+        if self.mirror is not None:
+            self.mirror.on_register(spec, replaced)
+        return replaced
+
+    def deregister_executor(self, executor_id: str, incarnation: int = 0) -> int:
+        dropped = self.manager.deregister_executor(executor_id, incarnation)
+        self._last_seen.pop(executor_id, None)
+        log.info("executor deregistered", executor_id=executor_id, sequences_dropped=dropped)
+        if self.mirror is not None:
+            self.mirror.on_deregister(executor_id)
+        return dropped
+
+    def heartbeat(self, executor_id: str, incarnation: int) -> None:
+        kv = self.manager.executors.get(executor_id)
+        if kv is None:
+            raise NotFound(f"unknown executor {executor_id!r}: register first")
+        if incarnation and kv.spec.incarnation != incarnation:
+            raise FailedPrecondition(f"executor {executor_id!r} is registered at incarnation "
+                                     f"{kv.spec.incarnation}, not {incarnation}")
+        self._last_seen[executor_id] = time.monotonic()
+        if self.mirror is not None:
+            self.mirror.on_heartbeat(kv.spec)
+
+    def reap_expired(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        limit = self.lease_s * self.expiry_leases
+        dead = [eid for eid, kv in self.manager.executors.items()
+                if kv.spec.address and now - self._last_seen.get(eid, now) > limit]
+        for eid in dead:
+            log.warning("executor lease expired", executor_id=eid, silent_s=round(now - self._last_seen[eid], 1))
+            self.deregister_executor(eid)
+        return dead
+
+    # the hot path
+    def step(self, step: StepInput) -> StepOutput:
+        t0 = time.perf_counter()
+        out = self.manager.step(step)
+        STEP_LATENCY.observe(time.perf_counter() - t0)
+        STEP_SEQS.inc(len(step.schedule_seq_ids))
+        for _, mode in out.preempted:
+            PREEMPTIONS.labels(mode.value).inc()
+        if self.mirror is not None:
+            self.mirror.on_step()
+        return out
+
+    def fork(self, parent_id: int, child_ids: list[int]) -> int:
+        shared = self.manager.fork(parent_id, child_ids)
+        if self.mirror is not None:
+            self.mirror.on_step()
+        return shared
+
+    def free(self, seq_ids: list[int], abort: bool) -> int:
+        released = self.manager.free(seq_ids, abort)
+        if self.mirror is not None:
+            self.mirror.on_step()
+        return released
+
+    def score_prefix(self, token_ids, cache_salt: str, executor_ids: Iterable[str]) -> list[PrefixScore]:
+        return self.manager.score_prefix(token_ids, cache_salt, executor_ids)
+
+    def mirror_status(self) -> MirrorStatus:
+        if self.mirror is None:
+            return MirrorStatus()
+        return self.mirror.status()
+
+
+class _AccountingCollector(Collector):
+    """Block accounting as Prometheus gauges, computed at scrape time (never
+    on the Step path)."""
+
+    FIELDS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots",
+              "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate",
+              "preemptions", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences",
+              "swap_free_blocks", "copy_on_write_copies", "evictions")
+
+    def __init__(self, state: MemoryState) -> None:
+        self.state = state
+
+    def collect(self):
+        _, parts = self.state.manager.accounting()
+        for name in self.FIELDS:
+            g = GaugeMetricFamily(f"kvpager_kv_{name}", f"Block accounting: {name}.", labels=["executor"])
+            for p in parts:
+                g.add_metric([p.executor_id], float(getattr(p, name)))
+            yield g
+
+
+class _CollectorSet(Collector):
+    """One registered collector fanning out to every live MemoryState in the
+    process (tests run several; the registry accepts a name only once)."""
+
+    def __init__(self) -> None:
+        self._members: list[_AccountingCollector] = []
+        REGISTRY.register(self)
+
+    def attach(self, c: _AccountingCollector) -> None:
+        self._members.append(c)
+
+    def detach(self, c: _AccountingCollector) -> None:
+        if c in self._members:
+            self._members.remove(c)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        if self._members:
+            yield from self._members[-1].collect()
+
+
+_COLLECTORS = _CollectorSet()

@@ -1,0 +1,156 @@
+"""Thin gRPC servicer: proto -> domain records, delegate, domain -> proto.
+
+Errors are domain exceptions; kvpager.server's interceptor maps them to
+status codes. Nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvpager.errors import STATUS_NUMBERS, InvalidArgument
+from kvpager.packed import array_bytes, unpack_i32, unpack_i64
+from kvpager.v1 import common_pb2, memory_pb2, memory_pb2_grpc
+from memory_service.accounting import PoolAccounting
+from memory_service.kv_manager import CacheOpsBuilder, ExecutorSpec
+from memory_service.policy import PreemptionMode
+from memory_service.records import NewSeq, StepInput, StepOutput
+from memory_service.service_state import MemoryState
+
+_MODES = {PreemptionMode.RECOMPUTE: common_pb2.PREEMPTION_MODE_RECOMPUTE,
+          PreemptionMode.SWAP: common_pb2.PREEMPTION_MODE_SWAP}
+
+
+def spec_from_proto(info: memory_pb2.ExecutorPoolInfo) -> ExecutorSpec:
+    return ExecutorSpec(
+        executor_id=info.executor_id, num_blocks=info.num_blocks, block_size=info.block_size,
+        num_swap_blocks=info.num_swap_blocks, address=info.address, model_id=info.model_id,
+        dtype=info.dtype, incarnation=info.incarnation, pool_generation=info.pool_generation,
+        max_model_len=info.max_model_len, vocab_size=info.vocab_size, adapter=info.adapter)
+
+
+def spec_to_proto(spec: ExecutorSpec) -> memory_pb2.ExecutorPoolInfo:
+    return memory_pb2.ExecutorPoolInfo(
+        executor_id=spec.executor_id, address=spec.address, num_blocks=spec.num_blocks,
+        block_size=spec.block_size, num_swap_blocks=spec.num_swap_blocks, model_id=spec.model_id,
+        dtype=spec.dtype, incarnation=spec.incarnation, pool_generation=spec.pool_generation,
+        max_model_len=spec.max_model_len, vocab_size=spec.vocab_size, adapter=spec.adapter)
+
+
+def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
+    app = req.appended
+    app_ids = unpack_i64(app.seq_ids, "appended.seq_ids")
+    app_offsets = unpack_i32(app.offsets, "appended.offsets")
+    app_tokens = unpack_i32(app.token_ids, "appended.token_ids")
+    if not app_ids and (app_tokens or len(app_offsets) > 1):
+        raise InvalidArgument("appended: tokens without seq_ids")
+    new = [NewSeq(n.seq_id, n.executor_id, unpack_i32(n.prompt_token_ids, "new_sequences.prompt_token_ids"),
+                  n.priority, n.cache_salt, n.max_total_tokens)
+           for n in req.new_sequences]
+    return StepInput(
+        step_id=req.step_id,
+        appended_seq_ids=app_ids, appended_offsets=app_offsets, appended_tokens=app_tokens,
+        forks=[(f.parent_seq_id, list(f.child_seq_ids)) for f in req.forks],
+        free_seq_ids=unpack_i64(req.free_seq_ids, "free_seq_ids"),
+        abort_seq_ids=unpack_i64(req.abort_seq_ids, "abort_seq_ids"),
+        new_seqs=new,
+        schedule_seq_ids=unpack_i64(req.schedule_seq_ids, "schedule_seq_ids"),
+        schedule_num_tokens=unpack_i32(req.schedule_num_tokens, "schedule_num_tokens"),
+    )
+
+
+def _ops_to_proto(ops: CacheOpsBuilder) -> common_pb2.CacheOps:
+    from array import array
+
+    def b(values: list[int]) -> bytes:
+        return array_bytes(array("i", values)) if values else b""
+
+    return common_pb2.CacheOps(copy_src=b(ops.copy_src), copy_dst=b(ops.copy_dst),
+                               swap_out_src=b(ops.swap_out_src), swap_out_dst=b(ops.swap_out_dst),
+                               swap_in_src=b(ops.swap_in_src), swap_in_dst=b(ops.swap_in_dst))
+
+
+def plan_to_proto(out: StepOutput) -> memory_pb2.StepPlan:
+    from array import array
+
+    plan = memory_pb2.StepPlan(step_id=out.step_id)
+    for p in out.executor_plans:
+        plan.executor_plans.append(memory_pb2.ExecutorPlan(
+            executor_id=p.executor_id, incarnation=p.incarnation,
+            seq_ids=array_bytes(p.seq_ids), context_lens=array_bytes(p.context_lens),
+            query_lens=array_bytes(p.query_lens), block_table_offsets=array_bytes(p.block_table_offsets),
+            block_tables=array_bytes(p.block_tables), slot_mapping=array_bytes(p.slot_mapping),
+            cache_ops=_ops_to_proto(p.ops), num_cached_tokens=array_bytes(p.num_cached_tokens)))
+    for seq_id, mode in out.preempted:
+        plan.preempted.add(seq_id=seq_id, mode=_MODES[mode])
+    if out.unscheduled:
+        plan.unscheduled_seq_ids = array_bytes(array("q", out.unscheduled))
+    for r in out.rejected:
+        plan.rejected.add(seq_id=r.seq_id, code=STATUS_NUMBERS[r.status], message=r.message)
+    return plan
+
+
+def accounting_to_proto(a: PoolAccounting) -> memory_pb2.PoolAccounting:
+    return memory_pb2.PoolAccounting(**a.as_dict())
+
+
+class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
+    def __init__(self, state: MemoryState) -> None:
+        self.state = state
+
+    async def RegisterExecutor(self, request, context):
+        replaced = self.state.register_executor(spec_from_proto(request.info))
+        return memory_pb2.RegisterExecutorResponse(replaced_previous=replaced, lease_s=self.state.lease_s)
+
+    async def DeregisterExecutor(self, request, context):
+        dropped = self.state.deregister_executor(request.executor_id, request.incarnation)
+        return memory_pb2.DeregisterExecutorResponse(sequences_dropped=dropped)
+
+    async def Heartbeat(self, request, context):
+        self.state.heartbeat(request.executor_id, request.incarnation)
+        return memory_pb2.HeartbeatResponse(lease_s=self.state.lease_s)
+
+    async def ListExecutors(self, request, context):
+        return memory_pb2.ListExecutorsResponse(
+            executors=[spec_to_proto(kv.spec) for kv in self.state.manager.executors.values()])
+
+    async def Step(self, request, context):
+        return plan_to_proto(self.state.step(step_from_proto(request)))
+
+    async def Fork(self, request, context):
+        shared = self.state.fork(request.fork.parent_seq_id, list(request.fork.child_seq_ids))
+        return memory_pb2.ForkResponse(shared_blocks=shared)
+
+    async def Free(self, request, context):
+        released = self.state.free(list(request.seq_ids), request.abort)
+        return memory_pb2.FreeResponse(blocks_released=released)
+
+    def _snapshot(self, executor_id: str = "") -> memory_pb2.AccountingSnapshot:
+        total, parts = self.state.manager.accounting(executor_id)
+        mirror = self.state.mirror_status()
+        return memory_pb2.AccountingSnapshot(
+            time_s=time.time(), total=accounting_to_proto(total),
+            executors=[accounting_to_proto(p) for p in parts],
+            mirror_enabled=mirror.enabled, mirror_stale=mirror.stale, mirror_lag_events=mirror.lag_events,
+            step_id=self.state.manager.last_step_id)
+
+    async def GetAccounting(self, request, context):
+        return self._snapshot(request.executor_id)
+
+    async def WatchAccounting(self, request, context):
+        interval_s = (request.interval_ms or 1000) / 1000.0
+        if interval_s < 0.01:
+            raise InvalidArgument("interval_ms must be at least 10")
+        while True:
+            yield self._snapshot()
+            await asyncio.sleep(interval_s)
+
+    async def ScorePrefix(self, request, context):
+        tokens = unpack_i32(request.token_ids, "token_ids")
+        scores = self.state.score_prefix(tokens, request.cache_salt, list(request.executor_ids))
+        return memory_pb2.ScorePrefixResponse(scores=[
+            memory_pb2.ExecutorScore(executor_id=s.executor_id, hit_blocks=s.hit_blocks, hit_tokens=s.hit_tokens,
+                                     num_sequences=s.num_sequences, free_blocks=s.free_blocks,
+                                     block_size=s.block_size)
+            for s in scores])

@@ -1,0 +1,222 @@
+"""The memory service over real gRPC (in-process aio server on loopback):
+the happy path, and every bad input with its status code and no leak."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvpager.channel import make_channel
+from kvpager.packed import pack_i32, pack_i64, unpack_i32, unpack_i64
+from kvpager.v1 import common_pb2, memory_pb2, memory_pb2_grpc
+from memory_service.service import MemoryConfig, MemoryServer
+
+BS = 4
+
+
+@pytest.fixture
+async def memory():
+    server = await MemoryServer(MemoryConfig(port=0, metrics_port=None)).start()
+    channel = make_channel(server.address)
+    stub = memory_pb2_grpc.MemoryServiceStub(channel)
+    await stub.RegisterExecutor(memory_pb2.RegisterExecutorRequest(info=memory_pb2.ExecutorPoolInfo(
+        executor_id="e0", num_blocks=16, block_size=BS, num_swap_blocks=8, model_id="m", dtype="float32",
+        incarnation=1, pool_generation=1, max_model_len=48, vocab_size=100)))
+    yield stub
+    await channel.close()
+    await server.stop(0)
+
+
+def new_seq(seq_id, tokens, **kw):
+    return memory_pb2.NewSequence(seq_id=seq_id, executor_id=kw.pop("executor_id", "e0"),
+                                  prompt_token_ids=pack_i32(tokens), **kw)
+
+
+def schedule(ids, nums):
+    return dict(schedule_seq_ids=pack_i64(ids), schedule_num_tokens=pack_i32(nums))
+
+
+def appended(ids, toks):
+    return common_pb2.TokenBatch(seq_ids=pack_i64(ids), offsets=pack_i32(range(len(ids) + 1)),
+                                 token_ids=pack_i32(toks))
+
+
+async def accounting(stub, executor_id=""):
+    snap = await stub.GetAccounting(memory_pb2.AccountingRequest(executor_id=executor_id))
+    return snap.total
+
+
+async def state(stub, executor_id="e0"):
+    t = await accounting(stub, executor_id)
+    return (t.free_blocks, t.used_blocks, t.num_sequences, t.live_tokens, t.logical_blocks)
+
+
+async def test_step_plan_decode_fork_free_roundtrip(memory):
+    stub = memory
+    base = await accounting(stub)
+    assert base.free_blocks == 16 and base.used_blocks == 0
+
+    plan = await stub.Step(memory_pb2.StepRequest(step_id=1, new_sequences=[new_seq(1, range(10))],
+                                                  **schedule([1], [10])))
+    (ep,) = plan.executor_plans
+    assert ep.executor_id == "e0" and ep.incarnation == 1
+    assert list(unpack_i64(ep.seq_ids)) == [1]
+    assert list(unpack_i32(ep.context_lens)) == [0] and list(unpack_i32(ep.query_lens)) == [10]
+    table = list(unpack_i32(ep.block_tables))
+    assert list(unpack_i32(ep.block_table_offsets)) == [0, 3] and len(table) == 3
+    slots = list(unpack_i32(ep.slot_mapping))
+    assert slots == [table[p // BS] * BS + p % BS for p in range(10)]
+
+    # decode one token, then fork into two children that share every block
+    plan = await stub.Step(memory_pb2.StepRequest(step_id=2, appended=appended([1], [42]), **schedule([1], [1])))
+    assert list(unpack_i32(plan.executor_plans[0].slot_mapping)) == [table[2] * BS + 2]
+    fork = await stub.Fork(memory_pb2.ForkRequest(fork=memory_pb2.ForkOp(parent_seq_id=1, child_seq_ids=[2, 3])))
+    assert fork.shared_blocks == 3 * 2
+    t = await accounting(stub)
+    assert t.logical_blocks == 9 and t.physical_blocks == 3 and t.sharing_saved_blocks == 6
+
+    # children diverge: the shared partial block is copied for all but the last writer
+    plan = await stub.Step(memory_pb2.StepRequest(step_id=3, appended=appended([1, 2, 3], [5, 6, 7]),
+                                                  **schedule([1, 2, 3], [1, 1, 1])))
+    ops = plan.executor_plans[0].cache_ops
+    assert len(unpack_i32(ops.copy_src)) == 2 and set(unpack_i32(ops.copy_src)) == {table[2]}
+
+    released = await stub.Free(memory_pb2.FreeRequest(seq_ids=[1, 2, 3]))
+    assert released.blocks_released == 5
+    t = await accounting(stub)
+    assert t.free_blocks == 16 and t.used_blocks == 0 and t.num_sequences == 0
+    assert t.cached_blocks == 5  # 2 prompt blocks + each child's own full third block stay findable
+
+
+async def test_prefix_hit_reported_and_scored(memory):
+    stub = memory
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks of 4
+    await stub.Step(memory_pb2.StepRequest(step_id=1, new_sequences=[new_seq(1, prompt)], **schedule([1], [13])))
+    plan = await stub.Step(memory_pb2.StepRequest(step_id=2, new_sequences=[new_seq(2, prompt)],
+                                                  **schedule([2], [13])))
+    ep = plan.executor_plans[0]
+    assert list(unpack_i32(ep.context_lens)) == [12] and list(unpack_i32(ep.query_lens)) == [1]
+    assert list(unpack_i32(ep.num_cached_tokens)) == [12]
+    scores = await stub.ScorePrefix(memory_pb2.ScorePrefixRequest(token_ids=pack_i32(prompt)))
+    (s,) = scores.scores
+    assert s.executor_id == "e0" and s.hit_blocks == 3 and s.hit_tokens == 12
+    salted = await stub.ScorePrefix(memory_pb2.ScorePrefixRequest(token_ids=pack_i32(prompt), cache_salt="other"))
+    assert salted.scores[0].hit_blocks == 0
+    t = await accounting(stub)
+    assert t.prefix_hit_tokens == 12 and t.prefix_query_tokens == 26
+
+
+async def expect(code, coro):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await coro
+    assert err.value.code() == code, err.value.details()
+    assert err.value.details()
+    return err.value
+
+
+async def test_every_bad_input_gets_its_status_and_leaks_nothing(memory):
+    stub = memory
+    await stub.Step(memory_pb2.StepRequest(step_id=1, new_sequences=[new_seq(1, range(6))], **schedule([1], [6])))
+    await stub.Free(memory_pb2.FreeRequest(seq_ids=[1]))
+    await stub.Step(memory_pb2.StepRequest(step_id=2, new_sequences=[new_seq(5, range(6))], **schedule([5], [6])))
+    before = await state(stub)
+    S = grpc.StatusCode
+    cases = [
+        (S.NOT_FOUND, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, **schedule([99], [1])))),
+        (S.NOT_FOUND, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(7, [1], executor_id="nope")]))),
+        (S.NOT_FOUND, lambda: stub.Heartbeat(memory_pb2.HeartbeatRequest(executor_id="nope"))),
+        (S.NOT_FOUND, lambda: stub.GetAccounting(memory_pb2.AccountingRequest(executor_id="nope"))),
+        (S.NOT_FOUND, lambda: stub.Free(memory_pb2.FreeRequest(seq_ids=[12345]))),
+        (S.ALREADY_EXISTS, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(5, [1, 2])]))),
+        (S.ALREADY_EXISTS, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(8, [1]), new_seq(8, [2])]))),
+        (S.ALREADY_EXISTS, lambda: stub.Fork(memory_pb2.ForkRequest(fork=memory_pb2.ForkOp(parent_seq_id=5, child_seq_ids=[5])))),
+        (S.FAILED_PRECONDITION, lambda: stub.Free(memory_pb2.FreeRequest(seq_ids=[1]))),
+        (S.FAILED_PRECONDITION, lambda: stub.Free(memory_pb2.FreeRequest(seq_ids=[5, 5]))),
+        (S.FAILED_PRECONDITION, lambda: stub.Fork(memory_pb2.ForkRequest(fork=memory_pb2.ForkOp(parent_seq_id=1, child_seq_ids=[9])))),
+        (S.FAILED_PRECONDITION, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, abort_seq_ids=pack_i64([1])))),
+        (S.INVALID_ARGUMENT, lambda: stub.RegisterExecutor(memory_pb2.RegisterExecutorRequest(
+            info=memory_pb2.ExecutorPoolInfo(executor_id="e1", num_blocks=0, block_size=4)))),
+        (S.INVALID_ARGUMENT, lambda: stub.RegisterExecutor(memory_pb2.RegisterExecutorRequest(
+            info=memory_pb2.ExecutorPoolInfo(executor_id="e1", num_blocks=4, block_size=0)))),
+        (S.INVALID_ARGUMENT, lambda: stub.RegisterExecutor(memory_pb2.RegisterExecutorRequest(
+            info=memory_pb2.ExecutorPoolInfo(executor_id="", num_blocks=4, block_size=4)))),
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(9, [1, -2, 3])]))),
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(9, [1, 100])]))),
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(9, [])]))),
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, appended=appended([5], [-1]), **schedule([5], [1])))),
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, schedule_seq_ids=b"\x01\x02\x03",
+                                                              schedule_num_tokens=pack_i32([1])))),
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, schedule_seq_ids=pack_i64([5]),
+                                                              schedule_num_tokens=pack_i32([1, 1])))),
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, **schedule([5], [0])))),
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, **schedule([5, 5], [1, 1])))),
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, **schedule([5], [1])))),  # nothing to compute
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, appended=common_pb2.TokenBatch(
+            seq_ids=pack_i64([5]), offsets=pack_i32([0, 3]), token_ids=pack_i32([1]))))),
+        (S.INVALID_ARGUMENT, lambda: stub.ScorePrefix(memory_pb2.ScorePrefixRequest(token_ids=b"\x00\x01"))),
+        (S.INVALID_ARGUMENT, lambda: stub.Fork(memory_pb2.ForkRequest(fork=memory_pb2.ForkOp(parent_seq_id=5)))),
+    ]
+    for code, call in cases:  # one at a time: an aio call starts when created
+        await expect(code, call())
+        assert await state(stub) == before, f"{code} leaked"
+    # a sequence that can never fit is refused at admission with RESOURCE_EXHAUSTED, as data
+    await stub.RegisterExecutor(memory_pb2.RegisterExecutorRequest(info=memory_pb2.ExecutorPoolInfo(
+        executor_id="tiny", num_blocks=2, block_size=4, max_model_len=64)))
+    plan = await stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(20, range(9), executor_id="tiny"),
+                                                                            new_seq(21, range(3))],
+                                                  **schedule([20, 21], [9, 3])))
+    (rej,) = plan.rejected
+    assert rej.seq_id == 20 and rej.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert list(unpack_i64(plan.executor_plans[0].seq_ids)) == [21]  # the other request is unharmed
+    await stub.Free(memory_pb2.FreeRequest(seq_ids=[21]))
+    assert await state(stub) == before
+    assert (await accounting(stub, "tiny")).used_blocks == 0
+    # and the rejected id was never created
+    await expect(S.NOT_FOUND, stub.Free(memory_pb2.FreeRequest(seq_ids=[20])))
+
+
+async def test_preemption_reported_over_grpc(memory):
+    stub = memory
+    # 16 blocks of 4: two 28-token sequences fill 14 blocks; growth forces a preemption
+    await stub.Step(memory_pb2.StepRequest(step_id=1, new_sequences=[new_seq(1, [1] * 28), new_seq(2, [2] * 28)],
+                                           **schedule([1, 2], [28, 28])))
+    await stub.Step(memory_pb2.StepRequest(step_id=2, new_sequences=[new_seq(3, [3] * 8)], **schedule([3], [8])))
+    plan = await stub.Step(memory_pb2.StepRequest(step_id=3, appended=appended([1, 2, 3], [4, 4, 4]),
+                                                  **schedule([1, 2, 3], [1, 1, 1])))
+    assert [p.seq_id for p in plan.preempted] == [3]
+    assert plan.preempted[0].mode == common_pb2.PREEMPTION_MODE_RECOMPUTE
+    assert list(unpack_i64(plan.unscheduled_seq_ids)) == [3]
+    t = await accounting(stub)
+    assert t.preemptions == 1 and t.preemptions_recompute == 1
+
+
+async def test_watch_accounting_streams(memory):
+    stub = memory
+    stream = stub.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=20))
+    seen = 0
+    async for snap in stream:
+        assert snap.total.total_blocks == 16
+        seen += 1
+        if seen == 3:
+            break
+    stream.cancel()
+    await expect(grpc.StatusCode.INVALID_ARGUMENT,
+                 _first(stub.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=1))))
+
+
+async def _first(stream):
+    async for item in stream:
+        return item
+
+
+async def test_reregistration_with_new_incarnation_drops_sequences(memory):
+    stub = memory
+    await stub.Step(memory_pb2.StepRequest(step_id=1, new_sequences=[new_seq(1, range(6))], **schedule([1], [6])))
+    resp = await stub.RegisterExecutor(memory_pb2.RegisterExecutorRequest(info=memory_pb2.ExecutorPoolInfo(
+        executor_id="e0", num_blocks=16, block_size=BS, incarnation=2, pool_generation=1, max_model_len=48)))
+    assert resp.replaced_previous
+    t = await accounting(stub)
+    assert t.used_blocks == 0 and t.num_sequences == 0
+    await expect(grpc.StatusCode.FAILED_PRECONDITION, stub.Free(memory_pb2.FreeRequest(seq_ids=[1])))
+    await expect(grpc.StatusCode.FAILED_PRECONDITION,
+                 stub.Heartbeat(memory_pb2.HeartbeatRequest(executor_id="e0", incarnation=1)))
