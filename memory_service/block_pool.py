@@ -99,7 +99,8 @@ class BlockPool:
         self.cached[block_hash] = block
         if block.ref_cnt == 0:  # not on the hot path, but keep the count honest
             self.num_cached_free += 1
-        self.events.emit(BlockStored(self.executor_id, block_hash, parent_hash, block.block_id, depth))
+        self.events.emit(BlockStored(self.executor_id, block_hash, parent_hash, block.block_id, depth,
+                                     block.token_ids))
         return True
 
     def clear(self) -> None:

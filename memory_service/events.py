@@ -21,6 +21,7 @@ class BlockStored:
     parent_hash: bytes | None  # None for the first block of a prefix
     block_id: int
     depth: int                 # index of the block in its prefix (0-based)
+    token_ids: tuple[int, ...] = ()  # the block's tokens: a rebuilt index verifies hits with them
     tier: str = TIER_DEVICE
 
 
