@@ -1,8 +1,10 @@
 """The memory manager: every executor's pool and every sequence, one Step at a time.
 
 A Step is validated completely before anything changes (all-or-nothing),
-then applied in a fixed order: appended tokens, forks, frees, aborts, new
-sequences, schedule. Scheduling allocates in the caller's order; when a
+then applied in a fixed order: forks, appended tokens, frees, aborts, new
+sequences, schedule. Forks come first so that one step can fork a sequence
+and give each child its own sampled token (n > 1, beam search), and frees
+after appends so a pruned beam's parent can be forked and freed at once. Scheduling allocates in the caller's order; when a
 sequence cannot get room the victim policy picks whom to preempt and the
 mode policy how. Allocation for one sequence either succeeds or that
 sequence is not scheduled: failure never leaves partial state.
@@ -112,25 +114,6 @@ class MemoryManager:
         def alive(seq_id: int) -> bool:
             return (seq_id in live or seq_id in created) and seq_id not in gone
 
-        ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
-        if ids:
-            if len(offs) != len(ids) + 1 or offs[0] != 0 or offs[-1] != len(toks):
-                raise InvalidArgument("appended: offsets must have one more entry than seq_ids and span the tokens")
-            if len(set(ids)) != len(ids):
-                raise InvalidArgument("appended: a sequence appears twice")
-            for i, seq_id in enumerate(ids):
-                seq = live.get(seq_id)
-                if seq is None:
-                    raise self._missing(seq_id, "appended")
-                n = offs[i + 1] - offs[i]
-                if n < 0:
-                    raise InvalidArgument("appended: offsets must not decrease")
-                limit = self._token_limit(seq)
-                if seq.num_tokens + n > limit:
-                    raise InvalidArgument(f"appended: sequence {seq_id} would hold {seq.num_tokens + n} tokens, "
-                                          f"over its limit of {limit}")
-            if toks and min(toks) < 0:
-                raise InvalidArgument("appended: token ids must be >= 0")
         for parent_id, children in step.forks:
             if not alive(parent_id):
                 raise self._missing(parent_id, "fork")
@@ -143,6 +126,25 @@ class MemoryManager:
                 if alive(child) or child in created:
                     raise AlreadyExists(f"fork: sequence {child} already exists")
                 created[child] = parent_id
+        ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
+        if ids:
+            if len(offs) != len(ids) + 1 or offs[0] != 0 or offs[-1] != len(toks):
+                raise InvalidArgument("appended: offsets must have one more entry than seq_ids and span the tokens")
+            if len(set(ids)) != len(ids):
+                raise InvalidArgument("appended: a sequence appears twice")
+            for i, seq_id in enumerate(ids):
+                if not alive(seq_id):
+                    raise self._missing(seq_id, "appended")
+                seq = live[self._origin(seq_id, created)]
+                n = offs[i + 1] - offs[i]
+                if n < 0:
+                    raise InvalidArgument("appended: offsets must not decrease")
+                limit = self._token_limit(seq)
+                if seq.num_tokens + n > limit:
+                    raise InvalidArgument(f"appended: sequence {seq_id} would hold {seq.num_tokens + n} tokens, "
+                                          f"over its limit of {limit}")
+            if toks and min(toks) < 0:
+                raise InvalidArgument("appended: token ids must be >= 0")
         for what, seq_ids in (("free", step.free_seq_ids), ("abort", step.abort_seq_ids)):
             for seq_id in seq_ids:
                 if seq_id in gone:
@@ -179,15 +181,19 @@ class MemoryManager:
                 continue
             if not alive(seq_id):
                 raise self._missing(seq_id, "schedule")
-            origin = seq_id
-            while origin not in live:  # a fork child: its tokens are its parent's
-                origin = created[origin]
-            base = live[origin]
+            base = live[self._origin(seq_id, created)]
             if base.status is not SeqStatus.WAITING:
-                remaining = base.num_tokens + appended.get(base.seq_id, 0) - base.num_computed
+                remaining = base.num_tokens + appended.get(seq_id, 0) - base.num_computed
                 if remaining < 1:
                     raise InvalidArgument(f"schedule: sequence {seq_id} has no token left to compute "
                                           "(append the sampled token first)")
+
+    def _origin(self, seq_id: int, created: dict[int, int]) -> int:
+        """The live sequence whose tokens seq_id holds before this step's appends
+        (itself, or the ancestor a fork in this step copied)."""
+        while seq_id not in self.seqs:
+            seq_id = created[seq_id]
+        return seq_id
 
     def _token_limit(self, seq: Sequence) -> int:
         spec = self.executors[seq.executor_id].spec
@@ -208,11 +214,11 @@ class MemoryManager:
         self._validate(step)
         out = StepOutput(step.step_id)
 
+        for parent_id, children in step.forks:
+            self._fork(parent_id, children)
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
         for i, seq_id in enumerate(ids):
             self.seqs[seq_id].token_ids.extend(toks[offs[i]:offs[i + 1]])
-        for parent_id, children in step.forks:
-            self._fork(parent_id, children)
         for seq_id in step.free_seq_ids:
             self._free(seq_id)
         for seq_id in step.abort_seq_ids:
