@@ -141,6 +141,8 @@ def check_invariants(kv: ExecutorKV, seqs: dict[int, Sequence]) -> list[str]:
             continue
         for block in seq.blocks:
             holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        if list(seq.block_ids) != [b.block_id for b in seq.blocks]:
+            bad.append(f"seq {seq_id}: block_ids out of step with its blocks")
         if seq.status is SeqStatus.RUNNING:
             if len(seq.blocks) != _cdiv(seq.num_computed, bs):
                 bad.append(f"seq {seq_id}: {len(seq.blocks)} blocks for {seq.num_computed} tokens")

@@ -9,6 +9,7 @@ Cache operations (copies, swaps) are appended to a `CacheOpsBuilder` as data.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from memory_service.block import Block
@@ -149,6 +150,7 @@ class ExecutorKV:
         fresh = self.pool.allocate(need)
         assert fresh is not None
         seq.blocks = hits + fresh
+        seq.block_ids = array("i", [b.block_id for b in seq.blocks])
         seq.num_computed = num_hit_tokens
         seq.num_cached_blocks = len(hits)
         seq.status = SeqStatus.RUNNING
@@ -164,6 +166,8 @@ class ExecutorKV:
         c = seq.num_computed
         blocks = seq.blocks
         first = c // bs
+        if first == len(blocks) - 1 and c + k <= len(blocks) * bs and blocks[first].ref_cnt == 1:
+            return True  # the common decode: room left in a private tail block
         need = _cdiv(c + k, bs) - len(blocks)
         shared = None
         if first < len(blocks):
@@ -183,19 +187,22 @@ class ExecutorKV:
                 ops.copy_dst.append(new.block_id)
                 pool.free([old])
                 blocks[i] = new
+                seq.block_ids[i] = new.block_id
                 self.counters.cow_copies += 1
             need -= len(shared)
         if need > 0:
-            blocks.extend(pool.allocate(need))
+            fresh = pool.allocate(need)
+            blocks.extend(fresh)
+            seq.block_ids.extend([b.block_id for b in fresh])
         return True
 
     def commit(self, seq: Sequence, k: int) -> None:
         """The planned k tokens count as computed; newly full blocks enter the
         prefix index."""
         seq.num_computed += k
-        bs = self.block_size
-        n_full = seq.num_computed // bs
+        n_full = seq.num_computed // self.block_size
         if n_full > seq.num_cached_blocks:
+            bs = self.block_size
             hashes = self._hashes(seq, n_full)
             tokens = seq.token_ids
             pool = self.pool
@@ -216,6 +223,7 @@ class ExecutorKV:
         for block in parent.blocks:
             block.ref_cnt += 1
         child.blocks = list(parent.blocks)
+        child.block_ids = array("i", parent.block_ids)
         child.num_computed = parent.num_computed
         child.num_cached_blocks = parent.num_cached_blocks
         child.block_hashes = list(parent.block_hashes)
@@ -228,6 +236,7 @@ class ExecutorKV:
         """Give back every block (device and swap). Returns device blocks freed."""
         freed = self.pool.free(seq.blocks) if seq.blocks else 0
         seq.blocks = []
+        seq.block_ids = array("i")
         if seq.swap_blocks:
             self.swap.free(seq.swap_blocks)
             seq.swap_blocks = []
@@ -250,6 +259,7 @@ class ExecutorKV:
         self.ops.swap_out_dst.extend(cpu)
         self.pool.free(seq.blocks)
         seq.blocks = []
+        seq.block_ids = array("i")
         seq.swap_blocks = cpu
         seq.num_cached_blocks = 0
         seq.status = SeqStatus.SWAPPED
@@ -267,6 +277,7 @@ class ExecutorKV:
         self.ops.deferred_swap_free.extend(seq.swap_blocks)
         seq.swap_blocks = []
         seq.blocks = blocks
+        seq.block_ids = array("i", [b.block_id for b in blocks])
         seq.status = SeqStatus.RUNNING
         return True
 

@@ -133,16 +133,17 @@ class MemoryManager:
             if len(set(ids)) != len(ids):
                 raise InvalidArgument("appended: a sequence appears twice")
             for i, seq_id in enumerate(ids):
-                if not alive(seq_id):
-                    raise self._missing(seq_id, "appended")
-                seq = live[self._origin(seq_id, created)]
+                seq = live.get(seq_id)  # frees come later: nothing is gone yet
+                if seq is None:
+                    if seq_id not in created:
+                        raise self._missing(seq_id, "appended")
+                    seq = live[self._origin(seq_id, created)]
                 n = offs[i + 1] - offs[i]
                 if n < 0:
                     raise InvalidArgument("appended: offsets must not decrease")
-                limit = self._token_limit(seq)
-                if seq.num_tokens + n > limit:
+                if len(seq.token_ids) + n > seq.token_limit:
                     raise InvalidArgument(f"appended: sequence {seq_id} would hold {seq.num_tokens + n} tokens, "
-                                          f"over its limit of {limit}")
+                                          f"over its limit of {seq.token_limit}")
             if toks and min(toks) < 0:
                 raise InvalidArgument("appended: token ids must be >= 0")
         for what, seq_ids in (("free", step.free_seq_ids), ("abort", step.abort_seq_ids)):
@@ -175,14 +176,17 @@ class MemoryManager:
             raise InvalidArgument("schedule: a sequence appears twice")
         if nums and min(nums) < 1:
             raise InvalidArgument("schedule: num_tokens must be >= 1")
-        appended = {seq_id: offs[i + 1] - offs[i] for i, seq_id in enumerate(ids)}
+        appended = {seq_id: offs[i + 1] - offs[i] for i, seq_id in enumerate(ids)} if ids else {}
+        waiting = SeqStatus.WAITING
         for seq_id in sids:
-            if seq_id in new_ids:
-                continue
-            if not alive(seq_id):
-                raise self._missing(seq_id, "schedule")
-            base = live[self._origin(seq_id, created)]
-            if base.status is not SeqStatus.WAITING:
+            base = live.get(seq_id)
+            if base is None or seq_id in gone or seq_id in created:
+                if seq_id in new_ids:
+                    continue
+                if not alive(seq_id):
+                    raise self._missing(seq_id, "schedule")
+                base = live[self._origin(seq_id, created)]
+            if base.status is not waiting:
                 remaining = base.num_tokens + appended.get(seq_id, 0) - base.num_computed
                 if remaining < 1:
                     raise InvalidArgument(f"schedule: sequence {seq_id} has no token left to compute "
@@ -250,6 +254,7 @@ class MemoryManager:
                        root_hash(self._namespaces[new.executor_id], new.cache_salt),
                        priority=new.priority, arrival=next(self._arrivals),
                        max_total_tokens=new.max_total_tokens, num_prompt_tokens=n)
+        seq.token_limit = self._token_limit(seq)
         self.seqs[new.seq_id] = seq
         kv.seq_ids.add(new.seq_id)
         self._freed.pop(new.seq_id, None)
@@ -264,7 +269,7 @@ class MemoryManager:
                              priority=parent.priority, arrival=parent.arrival,
                              max_total_tokens=parent.max_total_tokens, admitted=parent.admitted,
                              num_cached_tokens=parent.num_cached_tokens,
-                             num_prompt_tokens=parent.num_prompt_tokens)
+                             num_prompt_tokens=parent.num_prompt_tokens, token_limit=parent.token_limit)
             shared += kv.fork(parent, child)
             self.seqs[child_id] = child
             kv.seq_ids.add(child_id)
@@ -390,10 +395,14 @@ class MemoryManager:
             ctx.append(start)
             qlen.append(k)
             cached.append(seq.num_cached_tokens if start and start == seq.num_cached_tokens else 0)
-            blocks = seq.blocks
-            tables.extend([b.block_id for b in blocks])
-            total += len(blocks)
+            ids = seq.block_ids
+            tables.extend(ids)
+            total += len(ids)
             offsets.append(total)
+            if k == 1:  # decode
+                slots.append(ids[start // bs] * bs + start % bs)
+                continue
+            blocks = seq.blocks
             end = start + k
             pos = start
             while pos < end:  # one range per block touched

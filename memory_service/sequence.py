@@ -4,6 +4,7 @@ where its KV lives."""
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 from memory_service.block import Block
@@ -30,6 +31,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0           # tokens whose KV is (or is being) written
     blocks: list[Block] = field(default_factory=list)
+    # blocks' ids, kept beside them so a plan copies a table with one memcpy
+    block_ids: array = field(default_factory=lambda: array("i"))
     swap_blocks: list[int] = field(default_factory=list)
     # Chained hashes of full token blocks (not of physical blocks), computed lazily.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -37,6 +40,7 @@ class Sequence:
     admitted: bool = False          # prefix hits count only on the first admission
     num_cached_tokens: int = 0      # prefix hit at first admission (usage report)
     num_prompt_tokens: int = 0
+    token_limit: int = 0            # most tokens it may ever hold (context, pool, max_total_tokens)
 
     @property
     def num_tokens(self) -> int:
