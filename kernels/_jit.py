@@ -1,55 +1,22 @@
-"""Launch-time choice between the Triton compiler and the Triton interpreter.
+"""Small helpers shared by the Triton launchers.
 
-``triton.jit`` decides compiled-vs-interpreted when the decorator runs, i.e.
-at import time. In one pytest process another module may import ``kernels``
-before ``tests/kernels/conftest.py`` sets ``TRITON_INTERPRET=1``; a kernel
-decorated then would be a compiled JITFunction and fail on CPU tensors.
-``launch_time_jit`` instead reads ``triton.knobs.runtime.interpret`` (which
-reads the environment on every access) at each launch and keeps one wrapper
-of each kind.
-
-Limitation: kernels wrapped this way must not call other jitted helpers (the
-compiler would not recognise this wrapper as a JITFunction), so kernel bodies
-are self-contained.
+Compiled vs interpreted is fixed when triton is imported: ``triton.jit``
+(and triton's own standard-library helpers such as ``tl.max``) read
+``TRITON_INTERPRET`` at decoration time, and switching the variable later
+breaks both directions (interpreted kernels cannot call compiled helpers and
+vice versa). So set ``TRITON_INTERPRET=1`` before anything imports triton
+(tests/conftest.py does), and ask the kernel object, not the environment,
+which mode is in effect.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
-import triton
 from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
 
-def interpreting() -> bool:
-    """True when kernels will run in the Triton interpreter (CPU tensors)."""
-    return bool(triton.knobs.runtime.interpret)
-
-
-class _LaunchTimeJit:
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-        self.__name__ = fn.__name__
-        self._compiled: Optional[JITFunction] = None
-        self._interpreted: Optional[InterpretedFunction] = None
-
-    def _pick(self) -> Any:
-        if interpreting():
-            if self._interpreted is None:
-                self._interpreted = InterpretedFunction(self.fn)
-            return self._interpreted
-        if self._compiled is None:
-            self._compiled = JITFunction(self.fn)
-        return self._compiled
-
-    def __getitem__(self, grid):
-        # kernel[grid](*args, CONST=...) exactly like a triton.jit function.
-        return self._pick()[grid]
-
-
-def launch_time_jit(fn: Callable) -> _LaunchTimeJit:
-    return _LaunchTimeJit(fn)
+def is_interpreted(kernel) -> bool:
+    """True when ``kernel`` (a @triton.jit object) runs in the interpreter."""
+    return isinstance(kernel, InterpretedFunction)
 
 
 def next_pow2(n: int) -> int:

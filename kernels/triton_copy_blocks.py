@@ -6,7 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import launch_time_jit
 from kernels.checks import check_cache_pair, check_float_dtype, check_index
 
 __all__ = ["copy_blocks", "copy_blocks_all_layers"]
@@ -16,7 +15,7 @@ __all__ = ["copy_blocks", "copy_blocks_all_layers"]
 _CHUNK = 1024
 
 
-@launch_time_jit
+@triton.jit
 def _copy_blocks_kernel(
     k_ptr, v_ptr, src_ptr, dst_ptr,
     stride_k_outer, stride_k_b, stride_k_t, stride_k_h, stride_k_d,

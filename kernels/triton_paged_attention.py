@@ -12,7 +12,6 @@ alone so the launcher never synchronises with the device.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import interpreting, launch_time_jit, next_pow2
+from kernels._jit import is_interpreted, next_pow2
 from kernels.checks import check_cache_pair, check_float_dtype, check_index
 
 __all__ = ["paged_attention", "paged_attention_impl", "decode_partition_size"]
@@ -31,7 +30,7 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = -1.0e30
 
 
-@launch_time_jit
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
@@ -85,6 +84,8 @@ def _prefill_kernel(
     q_pos = ctx_len + q_idx  # [M] absolute position of each row's token
     d = tl.arange(0, DIM_PAD).to(tl.int64)
     d_ok = d < head_dim
+    d_k = d * stride_kc_d  # [DP] element offsets within a token's head row
+    d_v = d * stride_vc_d
 
     q_off = (q_start + q_idx)[:, None] * stride_q_t + head[:, None] * stride_q_h + d[None, :] * stride_q_d
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, DP]
@@ -107,10 +108,10 @@ def _prefill_kernel(
         block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_bt_b, mask=pos_ok, other=0).to(tl.int64)
         in_block = pos % BLOCK_SIZE
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k_off = block[:, None] * stride_kc_b + in_block[:, None] * stride_kc_t + kv_head * stride_kc_h + d[None, :] * stride_kc_d
-        v_off = block[:, None] * stride_vc_b + in_block[:, None] * stride_vc_t + kv_head * stride_vc_h + d[None, :] * stride_vc_d
-        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)  # [N, DP]
-        v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0)  # [N, DP]
+        k_rows = k_cache_ptr + (block * stride_kc_b + in_block * stride_kc_t + kv_head * stride_kc_h)  # [N] ptrs
+        v_rows = v_cache_ptr + (block * stride_vc_b + in_block * stride_vc_t + kv_head * stride_vc_h)
+        k = tl.load(k_rows[:, None] + d_k[None, :], mask=kv_mask, other=0.0)  # [N, DP]
+        v = tl.load(v_rows[:, None] + d_v[None, :], mask=kv_mask, other=0.0)  # [N, DP]
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -138,12 +139,12 @@ def _prefill_kernel(
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@launch_time_jit
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale, head_dim,
+    scale, head_dim, partition_size,
     stride_q_t, stride_q_h, stride_q_d,
     stride_kc_b, stride_kc_t, stride_kc_h, stride_kc_d,
     stride_vc_b, stride_vc_t, stride_vc_h, stride_vc_d,
@@ -153,7 +154,6 @@ def _decode_split_kernel(
     QUERIES_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DIM_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -161,8 +161,9 @@ def _decode_split_kernel(
 ):
     # grid: (seqs, kv heads, partitions). Flash-decoding: each program attends
     # the single decode query (all QUERIES_PER_KV heads of one kv head, padded
-    # to BLOCK_M >= 16 rows for tl.dot) to one PARTITION_SIZE slice of the
-    # context and writes a partial (normalised out, max, sum-exp) for the
+    # to BLOCK_M >= 16 rows for tl.dot) to one slice of the context
+    # (partition_size tokens, a runtime value so batch/context changes
+    # do not recompile) and writes a partial (normalised out, max, sum-exp) for the
     # reduce kernel, so long contexts use many SMs even at batch 1.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -175,14 +176,16 @@ def _decode_split_kernel(
     head = kv_head * QUERIES_PER_KV + rows  # [M]
     d = tl.arange(0, DIM_PAD).to(tl.int64)
     d_ok = d < head_dim
+    d_k = d * stride_kc_d  # [DP] element offsets within a token's head row
+    d_v = d * stride_vc_d
     q_off = q_tok * stride_q_t + head[:, None] * stride_q_h + d[None, :] * stride_q_d
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, DP]
     if DOT_FP32:
         q = q.to(tl.float32)
     qk_scale = scale * 1.4426950408889634
 
-    part_start = part * PARTITION_SIZE
-    part_end = tl.minimum(part_start + PARTITION_SIZE, seq_len)  # may be <= start: empty
+    part_start = part * partition_size
+    part_end = tl.minimum(part_start + partition_size, seq_len)  # may be <= start: empty
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -194,10 +197,10 @@ def _decode_split_kernel(
         block = tl.load(table_row + (pos // BLOCK_SIZE) * stride_bt_b, mask=pos_ok, other=0).to(tl.int64)
         in_block = pos % BLOCK_SIZE
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k_off = block[:, None] * stride_kc_b + in_block[:, None] * stride_kc_t + kv_head * stride_kc_h + d[None, :] * stride_kc_d
-        v_off = block[:, None] * stride_vc_b + in_block[:, None] * stride_vc_t + kv_head * stride_vc_h + d[None, :] * stride_vc_d
-        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0)
+        k_rows = k_cache_ptr + (block * stride_kc_b + in_block * stride_kc_t + kv_head * stride_kc_h)  # [N] ptrs
+        v_rows = v_cache_ptr + (block * stride_vc_b + in_block * stride_vc_t + kv_head * stride_vc_h)
+        k = tl.load(k_rows[:, None] + d_k[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_rows[:, None] + d_v[None, :], mask=kv_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -227,14 +230,13 @@ def _decode_split_kernel(
     tl.store(part_l_ptr + pm_off, l_i, mask=row_ok)
 
 
-@launch_time_jit
+@triton.jit
 def _decode_reduce_kernel(
     out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    seq_lens_ptr, query_start_ptr, head_dim,
+    seq_lens_ptr, query_start_ptr, head_dim, partition_size,
     stride_o_t, stride_o_h, stride_o_d,
     stride_po_s, stride_po_h, stride_po_p,
     stride_pm_s, stride_pm_h,
-    PARTITION_SIZE: tl.constexpr,
     PARTS_CHUNK: tl.constexpr,
     DIM_PAD: tl.constexpr,
     NEG_BIG: tl.constexpr,
@@ -246,7 +248,7 @@ def _decode_reduce_kernel(
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
     q_tok = tl.load(query_start_ptr + seq).to(tl.int64)
-    num_parts = (seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE
+    num_parts = (seq_len + partition_size - 1) // partition_size
     pm_base = seq * stride_pm_s + head * stride_pm_h
     po_base = seq * stride_po_s + head * stride_po_h
     d = tl.arange(0, DIM_PAD).to(tl.int64)
@@ -360,8 +362,9 @@ def paged_attention_impl(
     # The interpreter computes bf16/fp16 arithmetic and dots wrongly, so it
     # upcasts tiles right after loading; on GPU, fp32 caches also use fp32
     # (IEEE) dots, half types use tensor-core dots with fp32 accumulation.
-    dot_fp32 = interpreting() or q.dtype == torch.float32
-    launch_opts = {} if interpreting() else {"num_warps": cfg.num_warps}
+    interpreted = is_interpreted(_prefill_kernel)
+    dot_fp32 = interpreted or q.dtype == torch.float32
+    launch_opts = {} if interpreted else {"num_warps": cfg.num_warps}
     common = dict(BLOCK_SIZE=block_size, DIM_PAD=dim_pad, DOT_FP32=dot_fp32, NEG_BIG=_NEG_BIG)
 
     if split_decode is None:
@@ -382,16 +385,16 @@ def paged_attention_impl(
         _decode_split_kernel[(num_seqs, num_kv_heads, num_parts)](
             q, k_cache, v_cache, part_o, part_m, part_l,
             block_tables, seq_lens, query_start_loc,
-            float(scale), head_dim,
+            float(scale), head_dim, part,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
             *part_o.stride()[:3], *part_m.stride()[:2],
-            QUERIES_PER_KV=qpk, BLOCK_M=block_m, TILE_N=cfg.tile_n, PARTITION_SIZE=part,
+            QUERIES_PER_KV=qpk, BLOCK_M=block_m, TILE_N=cfg.tile_n,
             **common, **launch_opts,
         )
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_o, part_m, part_l, seq_lens, query_start_loc, head_dim,
+            out, part_o, part_m, part_l, seq_lens, query_start_loc, head_dim, part,
             *out.stride(), *part_o.stride()[:3], *part_m.stride()[:2],
-            PARTITION_SIZE=part, PARTS_CHUNK=min(32, next_pow2(num_parts)),
+            PARTS_CHUNK=min(32, next_pow2(num_parts)),
             DIM_PAD=dim_pad, NEG_BIG=_NEG_BIG, **launch_opts,
         )
         return out

@@ -6,13 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import launch_time_jit, next_pow2
+from kernels._jit import next_pow2
 from kernels.checks import check_cache_pair, check_float_dtype
 
 __all__ = ["store_kv"]
 
 
-@launch_time_jit
+@triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_key_t, stride_key_h, stride_key_d,
