@@ -80,6 +80,11 @@ class ExecutorKV:
         self.seq_ids: set[int] = set()
         self.counters = Counters()
         self.ops = CacheOpsBuilder()
+        # Copy-on-write sources of this step -> references still held for the
+        # copies. The executor runs swap-ins before copies, so a source must not
+        # be handed out again (say to a swap-in, after its last other holder is
+        # preempted) until the step's ops are taken.
+        self._copy_pins: dict[Block, int] = {}
 
     # ---- prefix index -------------------------------------------------------
 
@@ -173,7 +178,8 @@ class ExecutorKV:
         if first < len(blocks):
             # Only blocks at or after the write position can be written; before
             # a fork they are private, after it the partial tail is shared.
-            shared = [i for i in range(first, len(blocks)) if blocks[i].ref_cnt > 1]
+            pins = self._copy_pins
+            shared = [i for i in range(first, len(blocks)) if blocks[i].ref_cnt - pins.get(blocks[i], 0) > 1]
             need += len(shared)
         if need > self.pool.num_free:
             return False
@@ -185,7 +191,7 @@ class ExecutorKV:
                 new = pool.allocate(1)[0]
                 ops.copy_src.append(old.block_id)
                 ops.copy_dst.append(new.block_id)
-                pool.free([old])
+                pins[old] = pins.get(old, 0) + 1  # our reference goes at take_ops
                 blocks[i] = new
                 seq.block_ids[i] = new.block_id
                 self.counters.cow_copies += 1
@@ -215,6 +221,19 @@ class ExecutorKV:
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return _cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+
+    def room_needed(self, seq: Sequence, k: int) -> tuple[int, list[Block]]:
+        """(free blocks that admitting a WAITING seq, or swapping in a SWAPPED
+        one, with k tokens needs; the cached blocks it would reuse) — the same
+        arithmetic as admit / swap_in, so a caller can tell whether preempting
+        others could ever make room."""
+        bs = self.block_size
+        if seq.status is SeqStatus.SWAPPED:
+            return max(len(seq.swap_blocks), _cdiv(seq.num_computed + k, bs)), []
+        hits = self.find_prefix(seq)
+        num_hit_tokens = len(hits) * bs
+        k = min(k, seq.num_tokens - num_hit_tokens)
+        return _cdiv(num_hit_tokens + k, bs) - len(hits), hits
 
     # ---- sharing, preemption, release ----------------------------------------
 
@@ -282,9 +301,14 @@ class ExecutorKV:
         return True
 
     def take_ops(self) -> CacheOpsBuilder:
-        """This step's cache ops; deferred swap blocks become reusable now."""
+        """This step's cache ops; deferred swap blocks and copy sources become
+        reusable now."""
         ops = self.ops
         if ops.deferred_swap_free:
             self.swap.free(ops.deferred_swap_free)
         self.ops = CacheOpsBuilder()
+        if self._copy_pins:
+            for block, n in self._copy_pins.items():
+                self.pool.free([block] * n)
+            self._copy_pins = {}
         return ops

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from kvpager.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from memory_service.accounting import PoolAccounting, check_invariants, executor_accounting, total_accounting
+from memory_service.block import Block
 from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 from memory_service.policy import ModePolicy, PreemptionMode, VictimPolicy
@@ -26,6 +27,15 @@ from memory_service.prefix_hash import namespace_digest, root_hash
 from memory_service.records import (ExecutorStepPlan, NewSeq, PrefixScore, Rejected, StepInput,
                                     StepOutput)
 from memory_service.sequence import Sequence, SeqStatus
+
+# Token ids are hashed as uint32: the bound when an executor registers no vocabulary.
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def _vocab_bound(kv: ExecutorKV) -> int:
+    """Token ids of kv's sequences must be below this."""
+    return kv.spec.vocab_size or _MAX_TOKEN_ID + 1
+
 
 # How many freed sequence ids are remembered, to tell a double free
 # (FAILED_PRECONDITION) from an id that never existed (NOT_FOUND).
@@ -127,7 +137,7 @@ class MemoryManager:
                     raise AlreadyExists(f"fork: sequence {child} already exists")
                 created[child] = parent_id
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
-        if ids:
+        if ids or toks or len(offs) > 1:
             if len(offs) != len(ids) + 1 or offs[0] != 0 or offs[-1] != len(toks):
                 raise InvalidArgument("appended: offsets must have one more entry than seq_ids and span the tokens")
             if len(set(ids)) != len(ids):
@@ -146,6 +156,14 @@ class MemoryManager:
                                           f"over its limit of {seq.token_limit}")
             if toks and min(toks) < 0:
                 raise InvalidArgument("appended: token ids must be >= 0")
+            if toks and max(toks) >= min(map(_vocab_bound, self.executors.values()), default=_MAX_TOKEN_ID + 1):
+                for i, seq_id in enumerate(ids):  # rare: find whose vocabulary it leaves
+                    chunk = toks[offs[i]:offs[i + 1]]
+                    seq = live[self._origin(seq_id, created)]
+                    bound = _vocab_bound(self.executors[seq.executor_id])
+                    if chunk and max(chunk) >= bound:
+                        raise InvalidArgument(f"appended: sequence {seq_id}: token id {max(chunk)} outside the "
+                                              f"vocabulary ({bound})")
         for what, seq_ids in (("free", step.free_seq_ids), ("abort", step.abort_seq_ids)):
             for seq_id in seq_ids:
                 if seq_id in gone:
@@ -163,8 +181,8 @@ class MemoryManager:
                 raise InvalidArgument(f"new sequence {new.seq_id}: empty prompt")
             if min(new.prompt_token_ids) < 0:
                 raise InvalidArgument(f"new sequence {new.seq_id}: token ids must be >= 0")
-            vocab = kv.spec.vocab_size
-            if vocab and max(new.prompt_token_ids) >= vocab:
+            vocab = _vocab_bound(kv)
+            if max(new.prompt_token_ids) >= vocab:
                 raise InvalidArgument(f"new sequence {new.seq_id}: token id {max(new.prompt_token_ids)} "
                                       f"outside the vocabulary ({vocab})")
             if new.max_total_tokens < 0:
@@ -288,7 +306,8 @@ class MemoryManager:
         done: set[int] = set()          # handled in this step (scheduled or given up)
         preempted: set[int] = set()
         admission_closed: set[str] = set()
-        plans: dict[str, list[tuple[Sequence, int, int]]] = {}  # executor -> (seq, start, k)
+        # executor -> (seq, start, k, prefix hit reported: on the first admission only)
+        plans: dict[str, list[tuple[Sequence, int, int, int]]] = {}
 
         for seq_id, k in zip(step.schedule_seq_ids, step.schedule_num_tokens):
             if seq_id in rejected:
@@ -311,14 +330,14 @@ class MemoryManager:
                     if victim is seq:
                         break
                 else:
-                    plans.setdefault(kv.spec.executor_id, []).append((seq, start, k))
+                    plans.setdefault(kv.spec.executor_id, []).append((seq, start, k, 0))
                     kv.commit(seq, k)
                     continue
                 out.unscheduled.append(seq_id)
             elif status is SeqStatus.SWAPPED:
                 k = min(k, seq.num_tokens - seq.num_computed)
-                if self._with_room(kv, seq, done, out, preempted, lambda: kv.swap_in(seq, k)):
-                    plans.setdefault(kv.spec.executor_id, []).append((seq, seq.num_computed, k))
+                if self._with_room(kv, seq, k, done, out, preempted, lambda: kv.swap_in(seq, k)):
+                    plans.setdefault(kv.spec.executor_id, []).append((seq, seq.num_computed, k, 0))
                     kv.commit(seq, k)
                 else:
                     out.unscheduled.append(seq_id)
@@ -336,12 +355,12 @@ class MemoryManager:
                     result.append(r)
                     return True
 
-                if self._with_room(kv, seq, done, out, preempted, admit):
+                if self._with_room(kv, seq, k, done, out, preempted, admit):
                     num_hit, granted = result[0]
                     if first:
                         seq.admitted = True
                         seq.num_cached_tokens = num_hit
-                    plans.setdefault(kv.spec.executor_id, []).append((seq, num_hit, granted))
+                    plans.setdefault(kv.spec.executor_id, []).append((seq, num_hit, granted, num_hit if first else 0))
                     kv.commit(seq, granted)
                 else:
                     out.unscheduled.append(seq_id)
@@ -354,21 +373,30 @@ class MemoryManager:
                 continue
             out.executor_plans.append(self._build_plan(kv, rows or [], ops))
 
-    def _with_room(self, kv: ExecutorKV, seq: Sequence, done: set[int], out: StepOutput,
+    def _with_room(self, kv: ExecutorKV, seq: Sequence, k: int, done: set[int], out: StepOutput,
                    preempted: set[int], attempt) -> bool:
         """Run attempt(); while it fails, preempt running sequences strictly less
         important than seq (equal priorities never preempt for admission, so the
         pool cannot thrash)."""
         if attempt():
             return True
+        need, hits = kv.room_needed(seq, k)
+        reused = set(hits)
         while True:
             candidates = [s for s in (self.seqs[i] for i in kv.seq_ids)
                           if s.status is SeqStatus.RUNNING and s.seq_id not in done and s.priority > seq.priority]
             if not candidates:
                 return False
-            # Preempt only when preempting every candidate could make room.
-            reclaimable = sum(1 for s in candidates for b in s.blocks if b.ref_cnt == 1)
-            if kv.pool.num_free + reclaimable < 1:
+            # Preempt only when preempting every candidate could make room, so no
+            # one loses its blocks for nothing: count the blocks only candidates
+            # hold, less the cached hits the attempt takes back itself.
+            holders: dict[Block, int] = {}
+            for s in candidates:
+                for b in s.blocks:
+                    holders[b] = holders.get(b, 0) + 1
+            reclaimable = sum(1 for b, n in holders.items() if n == b.ref_cnt and b not in reused)
+            free = kv.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
+            if free + reclaimable < need:
                 return False
             self._preempt(self.victim_policy.select(candidates), kv, out, preempted)
             if attempt():
@@ -383,18 +411,18 @@ class MemoryManager:
         preempted.add(victim.seq_id)
         out.preempted.append((victim.seq_id, mode))
 
-    def _build_plan(self, kv: ExecutorKV, rows: list[tuple[Sequence, int, int]], ops) -> ExecutorStepPlan:
+    def _build_plan(self, kv: ExecutorKV, rows: list[tuple[Sequence, int, int, int]], ops) -> ExecutorStepPlan:
         plan = ExecutorStepPlan(kv.spec.executor_id, kv.spec.incarnation, ops=ops)
         bs = kv.block_size
         seq_ids, ctx, qlen = plan.seq_ids, plan.context_lens, plan.query_lens
         offsets, tables, slots, cached = (plan.block_table_offsets, plan.block_tables, plan.slot_mapping,
                                           plan.num_cached_tokens)
         total = 0
-        for seq, start, k in rows:
+        for seq, start, k, num_cached in rows:
             seq_ids.append(seq.seq_id)
             ctx.append(start)
             qlen.append(k)
-            cached.append(seq.num_cached_tokens if start and start == seq.num_cached_tokens else 0)
+            cached.append(num_cached)
             ids = seq.block_ids
             tables.extend(ids)
             total += len(ids)
