@@ -1,0 +1,101 @@
+"""Paged attention plugged into ``transformers`` model code.
+
+The model files stay upstream: we register one attention function under the
+name ``kvpager_paged`` with ``transformers.AttentionInterface`` and load the
+model with ``attn_implementation="kvpager_paged"``. Each step's metadata
+(slot mapping, block tables, lengths, the pool's per-layer views, the kernel
+backend) travels *explicitly* as the ``kvpager_meta`` keyword of the model's
+forward, which transformers hands down unchanged to every attention call.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ATTN_IMPLEMENTATION = "kvpager_paged"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBackend:
+    """The four paged-cache kernels, all with ``kernels.reference`` signatures."""
+
+    name: str  # "torch" | "triton"
+    store_kv: Callable
+    paged_attention: Callable
+    copy_blocks: Callable
+    copy_blocks_all_layers: Callable
+
+
+def load_backend(name: str) -> KernelBackend:
+    """``torch`` = vectorised pure-torch reference; ``triton`` = the Triton
+    launchers (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+    if name == "torch":
+        mod = importlib.import_module("kernels.reference")
+    elif name == "triton":
+        mod = importlib.import_module("kernels")
+    else:
+        raise ValueError(f"unknown attention backend {name!r}")
+    # Resolve eagerly: a missing launcher fails at start-up, not mid-request.
+    fns = {f: getattr(mod, f) for f in ("store_kv", "paged_attention", "copy_blocks", "copy_blocks_all_layers")}
+    return KernelBackend(name=name, **fns)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything one forward's attention layers need. Built per step; never global."""
+
+    slot_mapping: torch.Tensor     # [T] int32: where each new token's K/V goes
+    block_tables: torch.Tensor     # [S, MB] int32 (rows padded with block 0)
+    seq_lens: torch.Tensor         # [S] int32: context + new tokens
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache) views
+    backend: KernelBackend
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kvpager_meta: AttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention function.
+
+    query: [1, H, T, D]; key, value: [1, KVH, T, D] (one flattened row of all
+    sequences' new tokens, RoPE already applied). Writes K/V into this layer's
+    pool view, then attends causally over each sequence's cached context
+    (paged_attention masks by position itself; no mask tensor is built).
+    Returns ([1, T, H, D], None).
+    """
+    if kvpager_meta is None:
+        raise RuntimeError("kvpager_paged attention called without kvpager_meta; run the model through ModelRunner")
+    meta = kvpager_meta
+    if query.shape[0] != 1:
+        raise RuntimeError("kvpager_paged expects one flattened batch row")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
+    k = key[0].transpose(0, 1).contiguous()    # [T, KVH, D]
+    v = value[0].transpose(0, 1).contiguous()  # [T, KVH, D]
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = meta.backend.paged_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, float(scaling)
+    )  # [T, H, D]
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register ``kvpager_paged`` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

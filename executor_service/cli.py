@@ -1,0 +1,86 @@
+"""``kvpager executor`` (also ``python -m executor_service``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from executor_service.config import BACKENDS, DTYPES, ExecutorConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF checkpoint directory (default: the demo model, built once)")
+    p.add_argument("--model-id", default=None, help="identity sent to the memory service (default: dir name)")
+    p.add_argument("--executor-id", default="executor-0")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--advertise-address", default=None, help="host:port registered with the memory service")
+    p.add_argument("--memory-address", default=None, help="MemoryService host:port to register with")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, default=None, help="device pool size in blocks")
+    size.add_argument("--kv-cache-gib", type=float, default=None, help="device pool size on CPU (default 0.5)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="CUDA pool sizing")
+    p.add_argument("--swap-blocks", type=int, default=None, help="CPU swap pool blocks")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--attention-backend", choices=BACKENDS, default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--grace-s", type=float, default=5.0)
+    p.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
+    model = args.model
+    if model is None:
+        from executor_service.demo_model import ensure_demo_model
+
+        model = str(ensure_demo_model())
+    extra = {"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib is not None else {}
+    return ExecutorConfig(
+        model=model,
+        model_id=args.model_id,
+        executor_id=args.executor_id,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        advertise_address=args.advertise_address,
+        memory_address=args.memory_address,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        swap_blocks=args.swap_blocks,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        grace_s=args.grace_s,
+        **extra,
+    )
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("executor", help="run an executor (KV pool + model) gRPC server")
+    add_arguments(p)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvpager.telemetry import configure_logging
+
+    configure_logging("executor", level=args.log_level)
+    config = config_from_args(args)
+
+    async def serve() -> None:
+        from executor_service.service import start_executor_server
+
+        server = await start_executor_server(config, wait_ready=False)
+        try:
+            await server.serve_until_signal()
+        finally:
+            await server.stop()
+
+    asyncio.run(serve())
+    return 0

@@ -1,0 +1,54 @@
+"""Executor configuration: one record built from the CLI or by a caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(slots=True)
+class ExecutorConfig:
+    """How to start one executor process (or one in-process executor).
+
+    Pool sizing precedence: ``num_blocks`` if given; else on CUDA
+    ``gpu_memory_fraction`` of total device memory minus what is in use once
+    the model is loaded; else (CPU) ``kv_cache_gib``.
+    """
+
+    model: str                              # local HF checkpoint directory
+    executor_id: str = "executor-0"
+    model_id: str | None = None             # identity sent to the memory service; default: dir name
+    host: str = "127.0.0.1"
+    port: int = 0                           # 0 = pick a free port
+    metrics_port: int | None = None         # Prometheus; None = off
+    advertise_address: str | None = None    # host:port registered with memory; default host:bound port
+    memory_address: str | None = None       # MemoryService host:port; None = stand-alone
+    block_size: int = 16                    # tokens per block
+    num_blocks: int | None = None
+    kv_cache_gib: float = 0.5               # CPU pool size when num_blocks is None
+    gpu_memory_fraction: float = 0.9        # CUDA pool sizing when num_blocks is None
+    swap_blocks: int | None = None          # CPU swap pool; None = min(num_blocks // 2, 4 GiB worth)
+    dtype: str = "auto"                     # auto: float32 on CPU, checkpoint's 16-bit dtype on CUDA
+    device: str = "auto"                    # auto: cuda if available else cpu
+    attention_backend: str = "auto"         # auto: triton on CUDA, torch on CPU
+    max_model_len: int | None = None        # default: the model's max_position_embeddings
+    grace_s: float = 5.0                    # graceful-stop window
+    register_backoff_max_s: float = 5.0     # registration retry ceiling
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        if self.swap_blocks is not None and self.swap_blocks < 0:
+            raise ValueError("swap_blocks must be >= 0")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be > 0")

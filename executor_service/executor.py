@@ -1,0 +1,265 @@
+"""The executor: one model, one KV pool, one step at a time.
+
+``Executor(config)`` loads the checkpoint, sizes and allocates the pool, and
+then runs ``execute(step)``: validate (nothing is touched on a bad step),
+apply cache ops (swap-out, swap-in, copy), forward, sample. It knows nothing
+about policy and never imports grpc; errors are ``kvpager.errors`` types.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from executor_service import metrics
+from executor_service.attention import load_backend
+from executor_service.config import ExecutorConfig
+from executor_service.kv_pool import GIB, KvPool, block_bytes, device_pool_budget, num_blocks_for_bytes
+from executor_service.model_runner import ModelRunner
+from executor_service.sampler import sample
+from executor_service.step import (
+    PoolLimits,
+    StepInput,
+    StepOutput,
+    build_forward_batch,
+    build_sampling_inputs,
+    check_step,
+)
+from kvpager.errors import ResourceExhausted
+
+SWAP_DEFAULT_MAX_BYTES = 4 * GIB
+
+
+@dataclass(slots=True)
+class ExecutorInfo:
+    """What GetInfo reports (mirrors kvpager.v1.ExecutorInfo)."""
+
+    executor_id: str
+    model_id: str
+    model_type: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: str = ""
+    device: str = ""
+    attention_backend: str = ""
+    num_blocks: int = 0
+    block_size: int = 0
+    num_swap_blocks: int = 0
+    incarnation: int = 0
+    pool_generation: int = 0
+    kv_pool_bytes: int = 0
+
+
+def new_incarnation() -> int:
+    """A fresh non-zero 63-bit number per process start (0 means 'unchecked')."""
+    return secrets.randbits(63) or 1
+
+
+def _backend_name(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    return "triton" if device.type == "cuda" else "torch"
+
+
+class Executor:
+    """Holds the model and the pool; ``execute`` is thread-safe (serialised)."""
+
+    def __init__(self, config: ExecutorConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config.model, device=config.device, dtype=config.dtype)
+        self.device = self.runner.device
+        self.backend = load_backend(_backend_name(config.attention_backend, self.device))
+        if self.backend.name == "triton" and self.device.type != "cuda":
+            import os
+
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("the triton backend on CPU needs TRITON_INTERPRET=1 (tests only)")
+        self.max_model_len = self._max_model_len()
+        per_block = block_bytes(
+            self.runner.num_layers, config.block_size, self.runner.num_kv_heads, self.runner.head_dim, self.runner.dtype
+        )
+        num_blocks = self._num_blocks(per_block)
+        num_swap = config.swap_blocks
+        if num_swap is None:
+            num_swap = min(num_blocks // 2, num_blocks_for_bytes(SWAP_DEFAULT_MAX_BYTES, per_block))
+        try:
+            self.pool = KvPool(
+                num_layers=self.runner.num_layers,
+                num_blocks=num_blocks,
+                block_size=config.block_size,
+                num_kv_heads=self.runner.num_kv_heads,
+                head_dim=self.runner.head_dim,
+                num_swap_blocks=num_swap,
+                dtype=self.runner.dtype,
+                device=self.device,
+                backend=self.backend,
+            )
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+            raise ResourceExhausted(f"cannot allocate a KV pool of {num_blocks} blocks: {exc}") from exc
+        self._kv_caches = self.pool.layer_caches()
+        self.executor_id = config.executor_id
+        self.model_id = config.model_id or Path(config.model).resolve().name
+        self.incarnation = new_incarnation()
+        self.pool_generation = 1
+        self._limits = PoolLimits(
+            num_blocks=num_blocks,
+            num_swap_blocks=num_swap,
+            block_size=config.block_size,
+            vocab_size=self.runner.vocab_size,
+            max_model_len=self.max_model_len,
+            incarnation=self.incarnation,
+        )
+        self._lock = threading.Lock()
+        labels = (self.executor_id,)
+        metrics.POOL_BYTES.labels(*labels, "device").set(self.pool.kv_pool_bytes)
+        metrics.POOL_BYTES.labels(*labels, "swap").set(self.pool.swap_pool_bytes)
+        metrics.POOL_BLOCKS.labels(*labels, "device").set(num_blocks)
+        metrics.POOL_BLOCKS.labels(*labels, "swap").set(num_swap)
+
+    def _max_model_len(self) -> int:
+        limit = self.runner.max_model_len
+        asked = self.config.max_model_len
+        if asked is None:
+            return limit
+        if asked < 1 or asked > limit:
+            raise ValueError(f"max_model_len {asked} must be in [1, {limit}] for this model")
+        return asked
+
+    def _num_blocks(self, per_block: int) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        if self.device.type == "cuda":
+            budget = device_pool_budget(self.device, cfg.gpu_memory_fraction)
+        else:
+            budget = int(cfg.kv_cache_gib * GIB)
+        num_blocks = num_blocks_for_bytes(budget, per_block)
+        if num_blocks < 1:
+            raise ResourceExhausted(f"no memory left for the KV pool (budget {budget} bytes, block {per_block} bytes)")
+        return num_blocks
+
+    @property
+    def limits(self) -> PoolLimits:
+        return self._limits
+
+    def info(self) -> ExecutorInfo:
+        r = self.runner
+        return ExecutorInfo(
+            executor_id=self.executor_id,
+            model_id=self.model_id,
+            model_type=r.model_type,
+            vocab_size=r.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=list(r.eos_token_ids),
+            num_layers=r.num_layers,
+            num_kv_heads=r.num_kv_heads,
+            head_dim=r.head_dim,
+            dtype=str(r.dtype).removeprefix("torch."),
+            device=str(self.device),
+            attention_backend=self.backend.name,
+            num_blocks=self.pool.num_blocks,
+            block_size=self.pool.block_size,
+            num_swap_blocks=self.pool.num_swap_blocks,
+            incarnation=self.incarnation,
+            pool_generation=self.pool_generation,
+            kv_pool_bytes=self.pool.kv_pool_bytes,
+        )
+
+    def confirm_pool(self, incarnation: int, pool_generation: int) -> bool:
+        """True iff the caller's (incarnation, generation) is this pool's."""
+        return incarnation == self.incarnation and pool_generation == self.pool_generation
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run one step. Raises InvalidArgument / FailedPrecondition before
+        touching anything, ResourceExhausted when memory runs out."""
+        step = check_step(step, self._limits)
+        with self._lock:
+            try:
+                return self._run(step)
+            except (torch.OutOfMemoryError, MemoryError) as exc:
+                # The pool may hold half-applied moves now: invalidate what
+                # the memory service remembers of it.
+                self.pool_generation += 1
+                metrics.FAILED_STEPS.labels(self.executor_id, "oom").inc()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                raise ResourceExhausted(f"out of memory in step {step.step_id}: {exc}", retry_after_s=1.0) from exc
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _run(self, step: StepInput) -> StepOutput:
+        ops = step.cache_ops
+        t0 = time.perf_counter()
+        if ops.num_ops:
+            self._apply_cache_ops(step)
+            self._sync()
+        t1 = time.perf_counter()
+        n = len(step.seq_ids)
+        num_tokens = len(step.token_ids)
+        sampling = step.sampling
+        if num_tokens:
+            batch = build_forward_batch(step, self.device)
+            logits = self.runner.forward(batch, self._kv_caches, self.backend)  # [R, V]
+            self._sync()
+        t2 = time.perf_counter()
+        top_counts = np.zeros(n, np.int64)
+        if num_tokens and len(batch.logits_indices):
+            rows = np.nonzero((sampling.num_samples > 0) | (sampling.num_top_logprobs > 0))[0]
+            out = sample(logits, build_sampling_inputs(step, self.device))
+            token_ids = out.token_ids.to(torch.int32).cpu().numpy()
+            logprobs = out.logprobs.cpu().numpy().astype(np.float32) if out.logprobs is not None else None
+            top_counts[rows] = out.top_counts.cpu().numpy()
+            top_ids = out.top_token_ids.to(torch.int32).cpu().numpy()
+            top_lps = out.top_logprobs.float().cpu().numpy()
+        else:
+            token_ids = np.zeros(0, np.int32)
+            logprobs = np.zeros(0, np.float32) if sampling.return_logprobs else None
+            top_ids, top_lps = np.zeros(0, np.int32), np.zeros(0, np.float32)
+        t3 = time.perf_counter()
+        top_offsets = np.zeros(n + 1, np.int32)
+        np.cumsum(top_counts, out=top_offsets[1:])
+
+        labels = (self.executor_id,)
+        metrics.STEPS.labels(*labels).inc()
+        metrics.TOKENS_COMPUTED.labels(*labels).inc(num_tokens)
+        metrics.TOKENS_SAMPLED.labels(*labels).inc(len(token_ids))
+        metrics.FORWARD_SECONDS.labels(*labels).observe(t2 - t1)
+        metrics.SAMPLE_SECONDS.labels(*labels).observe(t3 - t2)
+        return StepOutput(
+            step_id=step.step_id,
+            sampled_token_ids=token_ids,
+            sampled_logprobs=logprobs,
+            top_offsets=top_offsets,
+            top_token_ids=top_ids,
+            top_logprobs=top_lps,
+            forward_s=t2 - t1,
+            sample_s=t3 - t2,
+            cache_ops_s=t1 - t0,
+        )
+
+    def _apply_cache_ops(self, step: StepInput) -> None:
+        """Swap-out, then swap-in, then copies: a block swapped out may be
+        reused as a swap-in or copy destination in the same step."""
+        ops = step.cache_ops
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+        self.pool.swap_out(t(ops.swap_out_src), t(ops.swap_out_dst))
+        self.pool.swap_in(t(ops.swap_in_src), t(ops.swap_in_dst))
+        self.pool.copy(t(ops.copy_src), t(ops.copy_dst))
+        for name, arr in (("swap_out", ops.swap_out_src), ("swap_in", ops.swap_in_src), ("copy", ops.copy_src)):
+            if len(arr):
+                metrics.CACHE_OPS.labels(self.executor_id, name).inc(len(arr))

@@ -1,0 +1,119 @@
+"""The physical KV pool of one executor, and its CPU swap pool.
+
+Vocabulary (the memory service owns the *numbers*, this module the *bytes*):
+  kv      [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+          on the device; ``kv[l, 0]`` / ``kv[l, 1]`` are layer l's K / V
+          caches in the kernels' layout ``[NB, BS, KVH, D]``.
+  swap    the same shape with ``num_swap_blocks`` blocks, in CPU memory
+          (pinned when CUDA is available, so swaps are DMA copies).
+  slot    block_id * block_size + offset, the same arithmetic everywhere.
+
+Every cache op moves whole blocks of all layers at once (one index_select /
+index_copy_ or one kernel launch per op kind, never a loop over blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor_service.attention import KernelBackend
+
+GIB = 1 << 30
+
+
+def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+
+
+def num_blocks_for_bytes(budget_bytes: int, per_block_bytes: int) -> int:
+    return max(0, int(budget_bytes) // per_block_bytes)
+
+
+def device_pool_budget(device: torch.device, gpu_memory_fraction: float) -> int:
+    """Bytes the device pool may take on CUDA: fraction of total minus in use.
+
+    Call after the model is loaded, so its weights (and the allocator's
+    reserve) are counted as in use.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return int(total * gpu_memory_fraction) - used
+
+
+class KvPool:
+    """Owns the device pool tensor and the CPU swap pool tensor."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_swap_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: KernelBackend,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_swap_blocks = num_swap_blocks
+        self.dtype = dtype
+        self.device = device
+        self.backend = backend
+        # Zeroed: attention gathers whole blocks and masks the tail, and a
+        # masked NaN from uninitialised memory would still poison the output.
+        self.kv = torch.zeros(
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        pin = device.type == "cuda"
+        self.swap = torch.zeros(
+            (num_layers, 2, num_swap_blocks, block_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device="cpu",
+            pin_memory=pin,
+        )
+        self.block_bytes = block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def swap_pool_bytes(self) -> int:
+        return self.swap.numel() * self.swap.element_size()
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k_cache, v_cache) views, each [NB, BS, KVH, D]."""
+        return [(self.kv[layer, 0], self.kv[layer, 1]) for layer in range(self.num_layers)]
+
+    def swap_out(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Device blocks src[i] -> swap blocks dst[i]. src, dst: [P] int64 (CPU)."""
+        if src.numel() == 0:
+            return
+        moved = self.kv.index_select(2, src.to(self.device)).to("cpu")  # [L, 2, P, BS, KVH, D]
+        self.swap.index_copy_(2, dst.cpu(), moved)
+
+    def swap_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Swap blocks src[i] -> device blocks dst[i]. src, dst: [P] int64 (CPU)."""
+        if src.numel() == 0:
+            return
+        moved = self.swap.index_select(2, src.cpu()).to(self.device, non_blocking=True)
+        self.kv.index_copy_(2, dst.to(self.device), moved)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Device blocks src[i] -> dst[i] (copy-on-write), all layers, K and V."""
+        if src.numel() == 0:
+            return
+        src = src.to(self.device)
+        dst = dst.to(self.device)
+        if self.device.type == "cuda":
+            self.backend.copy_blocks_all_layers(self.kv, src, dst)
+        else:  # index_copy_ reads the gathered source first, so any src/dst mix is safe
+            self.kv.index_copy_(2, dst, self.kv.index_select(2, src))

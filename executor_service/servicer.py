@@ -1,0 +1,147 @@
+"""ExecutorService over gRPC: proto <-> domain, then delegate.
+
+Thin on purpose: packed bytes become numpy arrays (a malformed payload is
+INVALID_ARGUMENT via ``kvpager.packed``), the ``Executor`` validates and runs
+the step on a worker thread (the event loop stays free for health checks),
+and the result is packed back. Domain errors become status codes in
+``kvpager.server``'s interceptor, never strings in a payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from executor_service.executor import Executor
+from executor_service.step import CacheOps, Sampling, StepInput, StepOutput
+from kvpager import packed
+from kvpager.errors import Unavailable
+from kvpager.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+
+
+def _i32(data: bytes, field: str) -> np.ndarray:
+    return np.frombuffer(packed.unpack_i32(data, field), dtype=np.int32)
+
+
+def _i64(data: bytes, field: str) -> np.ndarray:
+    return np.frombuffer(packed.unpack_i64(data, field), dtype=np.int64)
+
+
+def _f32(data: bytes, field: str) -> np.ndarray:
+    return np.frombuffer(packed.unpack_f32(data, field), dtype=np.float32)
+
+
+def _opt(data: bytes, decode, field: str) -> np.ndarray | None:
+    """An absent (empty) optional column is None: the default applies."""
+    return decode(data, field) if data else None
+
+
+def cache_ops_from_proto(ops: common_pb2.CacheOps) -> CacheOps:
+    return CacheOps(
+        copy_src=_i32(ops.copy_src, "cache_ops.copy_src"),
+        copy_dst=_i32(ops.copy_dst, "cache_ops.copy_dst"),
+        swap_out_src=_i32(ops.swap_out_src, "cache_ops.swap_out_src"),
+        swap_out_dst=_i32(ops.swap_out_dst, "cache_ops.swap_out_dst"),
+        swap_in_src=_i32(ops.swap_in_src, "cache_ops.swap_in_src"),
+        swap_in_dst=_i32(ops.swap_in_dst, "cache_ops.swap_in_dst"),
+    )
+
+
+def step_from_proto(req: executor_pb2.ExecuteRequest) -> StepInput:
+    s = req.sampling
+    return StepInput(
+        step_id=req.step_id,
+        incarnation=req.incarnation,
+        seq_ids=_i64(req.seq_ids, "seq_ids"),
+        context_lens=_i32(req.context_lens, "context_lens"),
+        query_lens=_i32(req.query_lens, "query_lens"),
+        token_ids=_i32(req.token_ids, "token_ids"),
+        block_table_offsets=_i32(req.block_table_offsets, "block_table_offsets") if req.block_table_offsets
+        else np.zeros(1, np.int32),
+        block_tables=_i32(req.block_tables, "block_tables"),
+        slot_mapping=_i32(req.slot_mapping, "slot_mapping"),
+        cache_ops=cache_ops_from_proto(req.cache_ops),
+        sampling=Sampling(
+            num_samples=_opt(s.num_samples, _i32, "sampling.num_samples"),
+            temperature=_opt(s.temperature, _f32, "sampling.temperature"),
+            top_p=_opt(s.top_p, _f32, "sampling.top_p"),
+            top_k=_opt(s.top_k, _i32, "sampling.top_k"),
+            seeds=_opt(s.seeds, _i64, "sampling.seeds"),
+            num_top_logprobs=_opt(s.num_top_logprobs, _i32, "sampling.num_top_logprobs"),
+            return_logprobs=s.return_logprobs,
+        ),
+    )
+
+
+def response_from_output(out: StepOutput) -> executor_pb2.ExecuteResponse:
+    return executor_pb2.ExecuteResponse(
+        step_id=out.step_id,
+        sampled_token_ids=out.sampled_token_ids.astype("<i4").tobytes(),
+        sampled_logprobs=out.sampled_logprobs.astype("<f4").tobytes() if out.sampled_logprobs is not None else b"",
+        top_offsets=out.top_offsets.astype("<i4").tobytes(),
+        top_token_ids=out.top_token_ids.astype("<i4").tobytes(),
+        top_logprobs=out.top_logprobs.astype("<f4").tobytes(),
+        forward_s=out.forward_s,
+        sample_s=out.sample_s,
+        cache_ops_s=out.cache_ops_s,
+    )
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
+    """Answers UNAVAILABLE until ``attach(executor)`` (the model is loading)."""
+
+    def __init__(self, executor: Executor | None = None) -> None:
+        self.executor = executor
+        # One worker: steps are serialised anyway, and torch releases the GIL.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+
+    def attach(self, executor: Executor) -> None:
+        self.executor = executor
+
+    def _ready(self) -> Executor:
+        if self.executor is None:
+            raise Unavailable("executor is loading its model", retry_after_s=1.0)
+        return self.executor
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def Execute(self, request, context):
+        executor = self._ready()
+        step = step_from_proto(request)
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(self._worker, executor.execute, step)
+        return response_from_output(out)
+
+    async def GetInfo(self, request, context):
+        info = self._ready().info()
+        return executor_pb2.ExecutorInfo(
+            executor_id=info.executor_id,
+            model_id=info.model_id,
+            model_type=info.model_type,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            eos_token_ids=info.eos_token_ids,
+            num_layers=info.num_layers,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            dtype=info.dtype,
+            device=info.device,
+            attention_backend=info.attention_backend,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            num_swap_blocks=info.num_swap_blocks,
+            incarnation=info.incarnation,
+            pool_generation=info.pool_generation,
+            kv_pool_bytes=info.kv_pool_bytes,
+        )
+
+    async def ConfirmPool(self, request, context):
+        executor = self._ready()
+        return executor_pb2.ConfirmPoolResponse(
+            confirmed=executor.confirm_pool(request.incarnation, request.pool_generation),
+            incarnation=executor.incarnation,
+            pool_generation=executor.pool_generation,
+        )

@@ -1,0 +1,246 @@
+"""Shared helpers of the executor tests (fixtures live in conftest.py).
+
+* ``Plan`` is a tiny stand-in for the memory service: a block allocator with
+  refcounts and a step builder that fills context_lens / query_lens / block
+  tables / slot mappings from per-sequence state.
+* ``Oracle`` is transformers' own ``generate(do_sample=False)`` on the same
+  checkpoint, fp32, eager attention.
+* ``LoopThread`` runs the session's gRPC servers on one background loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from kvpager import packed
+from kvpager.v1 import common_pb2, executor_pb2, executor_pb2_grpc
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+SWAP_BLOCKS = 24
+
+CHECKPOINTS = {
+    "llama_mha": dict(arch="llama", num_heads=4, num_kv_heads=4, seed=1),
+    "llama_gqa": dict(arch="llama", num_heads=4, num_kv_heads=2, seed=2),
+    "qwen2": dict(arch="qwen2", num_heads=4, num_kv_heads=2, seed=3),
+}
+
+
+def triton_available() -> bool:
+    try:
+        import kernels
+
+        kernels.paged_attention  # noqa: B018 - resolving imports the launcher
+        kernels.store_kv  # noqa: B018
+        return True
+    except Exception:  # noqa: BLE001 - not written yet / no triton
+        return False
+
+
+class Oracle:
+    """transformers' generate, greedy, fp32, eager attention; memoised."""
+
+    def __init__(self, path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        self._memo: dict[tuple, list[int]] = {}
+
+    def greedy(self, prompt: list[int], num_new: int) -> list[int]:
+        key = (tuple(prompt), num_new)
+        if key not in self._memo:
+            from transformers import GenerationConfig
+
+            torch = self.torch
+            ids = torch.tensor([prompt])
+            gen = GenerationConfig(max_new_tokens=num_new, do_sample=False, eos_token_id=None, pad_token_id=2)
+            with torch.no_grad():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+            self._memo[key] = out[0, len(prompt):].tolist()
+            assert len(self._memo[key]) == num_new
+        return self._memo[key]
+
+    def last_logits(self, tokens: list[int]):
+        torch = self.torch
+        with torch.no_grad():
+            return self.model(torch.tensor([tokens])).logits[0, -1].float()
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; servers live here for the session."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="executor-tests-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@dataclass
+class Served:
+    server: object
+    executor: object
+    channel: object
+    stub: executor_pb2_grpc.ExecutorServiceStub
+    info: executor_pb2.ExecutorInfo
+    checkpoint: str
+
+
+# ---------------------------------------------------------------- plans
+
+
+class Allocator:
+    """Refcounted block ids. Freed blocks are reused first (LIFO), so tests
+    overwrite just-freed KV and catch any read of stale blocks."""
+
+    def __init__(self, num_blocks: int, first: int = 0) -> None:
+        self.free = list(range(first, num_blocks))
+        self.refs: dict[int, int] = {}
+
+    def alloc(self) -> int:
+        block = self.free.pop(0)
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        self.refs[block] += 1
+
+    def release(self, blocks) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                del self.refs[b]
+                self.free.insert(0, b)
+
+
+@dataclass
+class Seq:
+    seq_id: int
+    tokens: list[int]                 # prompt + generated so far
+    num_computed: int = 0             # tokens whose KV is in the pool
+    blocks: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    seed: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_len = self.prompt_len or len(self.tokens)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+class Plan:
+    """Builds ExecuteRequests from per-sequence state and applies results."""
+
+    def __init__(self, served: Served, block_size: int = BLOCK_SIZE) -> None:
+        self.served = served
+        self.block_size = block_size
+        self.alloc = Allocator(served.info.num_blocks)
+        self.step_id = 0
+        self._next_seq = 1
+
+    def new_seq(self, prompt: list[int], **kw) -> Seq:
+        seq = Seq(self._next_seq, list(prompt), **kw)
+        self._next_seq += 1
+        return seq
+
+    def ensure_blocks(self, seq: Seq, num_tokens: int) -> None:
+        need = -(-num_tokens // self.block_size)
+        while len(seq.blocks) < need:
+            seq.blocks.append(self.alloc.alloc())
+
+    def request(self, items, *, cache_ops=None, return_logprobs=False, num_top_logprobs=None,
+                num_samples=None, seeds=None, incarnation=0) -> executor_pb2.ExecuteRequest:
+        """items: [(seq, num_tokens)] computed now; sequences sample 1 token
+        when the chunk reaches the end of their known tokens, else 0."""
+        bs = self.block_size
+        ctx, qlens, toks, tables, offsets, slots, samples, temps, top_ps, top_ks, seed_list = (
+            [], [], [], [], [0], [], [], [], [], [], [])
+        for i, (seq, q) in enumerate(items):
+            start = seq.num_computed
+            self.ensure_blocks(seq, start + q)
+            ctx.append(start)
+            qlens.append(q)
+            toks.extend(seq.tokens[start:start + q])
+            slots.extend(seq.blocks[p // bs] * bs + p % bs for p in range(start, start + q))
+            tables.extend(seq.blocks)
+            offsets.append(len(tables))
+            n = (1 if start + q == len(seq.tokens) else 0) if num_samples is None else num_samples[i]
+            samples.append(n)
+            temps.append(seq.temperature)
+            top_ps.append(seq.top_p)
+            top_ks.append(seq.top_k)
+            seed_list.extend([seq.seed] * n)
+        self.step_id += 1
+        sampling = executor_pb2.SamplingBatch(
+            num_samples=packed.pack_i32(samples),
+            temperature=packed.pack_f32(temps),
+            top_p=packed.pack_f32(top_ps),
+            top_k=packed.pack_i32(top_ks),
+            seeds=packed.pack_i64(seeds if seeds is not None else seed_list),
+            return_logprobs=return_logprobs,
+        )
+        if num_top_logprobs is not None:
+            sampling.num_top_logprobs = packed.pack_i32(num_top_logprobs)
+        return executor_pb2.ExecuteRequest(
+            step_id=self.step_id,
+            incarnation=incarnation,
+            cache_ops=cache_ops or common_pb2.CacheOps(),
+            seq_ids=packed.pack_i64(seq.seq_id for seq, _ in items),
+            context_lens=packed.pack_i32(ctx),
+            query_lens=packed.pack_i32(qlens),
+            token_ids=packed.pack_i32(toks),
+            block_table_offsets=packed.pack_i32(offsets),
+            block_tables=packed.pack_i32(tables),
+            slot_mapping=packed.pack_i32(slots),
+            sampling=sampling,
+        )
+
+    def step(self, items, **kw) -> executor_pb2.ExecuteResponse:
+        """Run one step and apply it: computed counts advance, sampled tokens append."""
+        req = self.request(items, **kw)
+        resp = self.served.stub.Execute(req, timeout=120)
+        sampled = list(packed.unpack_i32(resp.sampled_token_ids))
+        nums = list(packed.unpack_i32(req.sampling.num_samples))
+        pos = 0
+        for (seq, q), n in zip(items, nums):
+            seq.num_computed += q
+            if n == 1:
+                seq.tokens.append(sampled[pos])
+            pos += n
+        return resp
+
+    def decode(self, seqs, num_steps: int) -> None:
+        for _ in range(num_steps):
+            self.step([(s, 1) for s in seqs])
+
+    def prefill(self, seqs) -> None:
+        self.step([(s, len(s.tokens) - s.num_computed) for s in seqs])
+
+    def free(self, seq: Seq) -> None:
+        self.alloc.release(seq.blocks)
+        seq.blocks = []
+
+
+def prompts(n: int, lengths, vocab: int = 300, seed: int = 0) -> list[list[int]]:
+    """Deterministic pseudo-random prompts (token ids 3..vocab-1, no specials)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths[:n]]
