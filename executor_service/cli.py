@@ -73,14 +73,23 @@ def main(args: argparse.Namespace) -> int:
     configure_logging("executor", level=args.log_level)
     config = config_from_args(args)
 
-    async def serve() -> None:
+    async def serve() -> int:
         from executor_service.service import start_executor_server
+        from kvpager.telemetry import get_logger
 
         server = await start_executor_server(config, wait_ready=False)
+        ready = asyncio.ensure_future(server.wait_ready())
+        serving = asyncio.ensure_future(server.serve_until_signal())
         try:
-            await server.serve_until_signal()
+            await asyncio.wait([ready, serving], return_when=asyncio.FIRST_COMPLETED)
+            if ready.done() and not ready.cancelled() and ready.exception() is not None:
+                # A model that cannot load must not leave a server NOT_SERVING forever.
+                get_logger(__name__).error("executor failed to start", exc_info=ready.exception())
+                serving.cancel()
+                return 1
+            await serving
+            return 0
         finally:
             await server.stop()
 
-    asyncio.run(serve())
-    return 0
+    return asyncio.run(serve())

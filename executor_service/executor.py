@@ -186,10 +186,13 @@ class Executor:
         with self._lock:
             try:
                 return self._run(step)
-            except (torch.OutOfMemoryError, MemoryError) as exc:
+            except Exception as exc:
                 # The pool may hold half-applied moves now: invalidate what
                 # the memory service remembers of it.
                 self.pool_generation += 1
+                if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+                    metrics.FAILED_STEPS.labels(self.executor_id, "error").inc()
+                    raise
                 metrics.FAILED_STEPS.labels(self.executor_id, "oom").inc()
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()

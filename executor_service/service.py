@@ -72,7 +72,7 @@ class ExecutorServer:
             executor = await asyncio.to_thread(Executor, self.config)
         self.executor = executor
         self.servicer.attach(executor)
-        log.info("executor ready", **{k: v for k, v in vars_info(executor).items()})
+        log.info("executor ready", **_ready_fields(executor))
         if self.config.memory_address:
             from executor_service.registration import MemoryRegistration
 
@@ -102,7 +102,7 @@ class ExecutorServer:
         await self.runtime.serve_until_signal()
 
 
-def vars_info(executor: Executor) -> dict:
+def _ready_fields(executor: Executor) -> dict:
     info = executor.info()
     return {
         "executor_id": info.executor_id,

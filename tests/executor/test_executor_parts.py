@@ -180,3 +180,17 @@ def test_bench_reports_in_process_and_grpc(checkpoints):
     for r in model["results"]:
         assert r["in_process_step_s"] > 0 and r["grpc_step_s"] > 0
         assert r["grpc_tokens_per_s"] == r["batch_size"] / r["grpc_step_s"]
+
+
+async def test_unloadable_model_fails_start(tmp_path):
+    from executor_service.config import ExecutorConfig
+    from executor_service.service import start_executor_server
+
+    with pytest.raises(Exception):
+        await start_executor_server(ExecutorConfig(model=str(tmp_path / "missing"), device="cpu"))
+
+
+def test_cli_exits_nonzero_when_the_model_cannot_load(tmp_path):
+    from kvpager.cli import main
+
+    assert main(["executor", "--model", str(tmp_path / "missing"), "--port", "0", "--device", "cpu"]) == 1
