@@ -185,6 +185,13 @@ def test_triton_interpreter_fork_and_prefix(serve, oracle):
     plan.alloc.release([shared])
     child.blocks[-1] = fresh
     ops = common_pb2.CacheOps(copy_src=packed.pack_i32([shared]), copy_dst=packed.pack_i32([fresh]))
-    plan.step([(parent, 1), (child, 1)], cache_ops=ops)
+    # A third sequence hits the parent's first (full) block as a cached prefix.
+    hit = plan.new_seq(p[:BLOCK_SIZE] + [50, 51])
+    hit.blocks = parent.blocks[:1]
+    plan.alloc.share(hit.blocks[0])
+    hit.num_computed = BLOCK_SIZE
+    plan.step([(parent, 1), (child, 1), (hit, 2)], cache_ops=ops)
+    plan.decode([hit], 1)
     ref = oracle(ckpt).greedy(p, 2)
     assert parent.generated == ref and child.generated == ref
+    assert hit.generated == oracle(ckpt).greedy(p[:BLOCK_SIZE] + [50, 51], 2)
