@@ -60,6 +60,14 @@ class DeadlineExceeded(KvpagerError):
     status = "DEADLINE_EXCEEDED"
 
 
+class Internal(KvpagerError):
+    status = "INTERNAL"
+
+
+class Unimplemented(KvpagerError):
+    status = "UNIMPLEMENTED"
+
+
 # google.rpc.Code numbers, for statuses carried as data (StepPlan.rejected).
 STATUS_NUMBERS = {
     "OK": 0,

@@ -1,0 +1,53 @@
+"""`kvpager gateway`: run the client-facing gateway and engine loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gateway", help="run the gateway (client API + continuous batching)")
+    p.add_argument("--model", required=True, help="checkpoint directory (its tokenizer is used)")
+    p.add_argument("--memory-address", default="127.0.0.1:50051")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50050)
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens computed per step")
+    p.add_argument("--max-running", type=int, default=64, help="sequences per step")
+    p.add_argument("--max-waiting", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-n", type=int, default=8, help="largest n / beam_width accepted")
+    p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
+    p.add_argument("--load-weight-tokens", type=float, default=16.0,
+                   help="routing: one queued sequence costs this many prefix tokens")
+    p.add_argument("--redis-url", default=None, help="score prefixes from the Redis mirror")
+    p.add_argument("--grace-s", type=float, default=5.0)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace):
+    from gateway.engine import EngineConfig
+    from gateway.service import GatewayConfig
+
+    return GatewayConfig(model=args.model, memory_address=args.memory_address, host=args.host, port=args.port,
+                         metrics_port=args.metrics_port, grace_s=args.grace_s, redis_url=args.redis_url,
+                         engine=EngineConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
+                                             max_waiting=args.max_waiting, max_n=args.max_n, policy=args.policy,
+                                             load_weight_tokens=args.load_weight_tokens))
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpager.telemetry import configure_logging
+    from gateway.service import GatewayServer
+
+    configure_logging("gateway", args.log_level)
+
+    async def main() -> None:
+        server = GatewayServer(config_from_args(args))
+        await server.start()
+        print(f"gateway listening on {server.address}", flush=True)
+        await server.serve_until_signal()
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,521 @@
+"""The engine loop: continuous batching over the memory service and executors.
+
+One step = one memory-service `Step` (last step's results in: forks, sampled
+tokens, finished and aborted sequences; this step's needs out: what to
+compute, under a token budget, with chunked prefill) + one `Execute` per
+executor with sequences in the plan (run concurrently) + stream what was
+sampled. All state below is mutated only by the loop task; other coroutines
+post work (new requests, aborts, executor changes) and wake it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from array import array
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvpager.errors import (DeadlineExceeded, Internal, KvpagerError, ResourceExhausted, Unavailable,
+                            error_for_status)
+from kvpager.packed import array_bytes, pack_i32, pack_i64, unpack_f32, unpack_i32, unpack_i64
+from kvpager.telemetry import get_logger
+from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
+from gateway import metrics
+from gateway.beam import BeamSearch
+from gateway.clients import ExecutorClient, MemoryClient
+from gateway.outputs import accept_token, take_output
+from gateway.params import Limits
+from gateway.state import Completion, Finish, Output, Request, Seq, SeqStatus
+
+log = get_logger("gateway.engine")
+
+_END = None  # sentinel on a request's queue: the stream is over
+
+
+@dataclass
+class EngineConfig:
+    max_batch_tokens: int = 512      # tokens computed per step (prefill chunks + decodes)
+    max_running: int = 64            # sequences per step
+    max_waiting: int = 1024          # requests admitted but not finished
+    max_n: int = 8
+    policy: str = "fcfs"             # "fcfs" | "priority"
+    step_timeout_s: float = 120.0
+    executor_refresh_s: float = 2.0
+    load_weight_tokens: float = 16.0  # routing: one queued sequence costs this many prefix tokens
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, memory: MemoryClient, tokenizer) -> None:
+        self.config = config
+        self.memory = memory
+        self.tokenizer = tokenizer
+        self.executors: dict[str, ExecutorClient] = {}
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Seq] = {}
+        self.limits: Limits | None = None
+        self.eos_ids: frozenset[int] = frozenset()
+        self.model_id = ""
+        self._seq_ids = itertools.count(1)
+        self._arrivals = itertools.count()
+        self._step_id = int(time.time() * 1000) << 8  # increasing across gateway restarts
+        self._forks: list[memory_pb2.ForkOp] = []
+        self._appends: dict[int, int] = {}
+        self._to_free: list[int] = []
+        self._to_abort: list[int] = []
+        self._aborts: dict[str, KvpagerError | None] = {}
+        self._executor_updates: list[memory_pb2.ExecutorPoolInfo] | None = None
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self.beams = BeamSearch(self)
+
+    # ---- lifecycle ------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await self._apply_executor_list(await self.memory.list_executors())
+        except KvpagerError as exc:
+            log.warning("memory service not reachable yet", error=exc.message)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(), name="engine-loop"),
+                       loop.create_task(self._refresh(), name="executor-refresh")]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for req in list(self.requests.values()):
+            self._fail_request(req, Unavailable("gateway is shutting down"))
+        for ex in self.executors.values():
+            await ex.close()
+
+    @property
+    def ready(self) -> bool:
+        return self.limits is not None and any(e.alive for e in self.executors.values())
+
+    # ---- executors ------------------------------------------------------------
+
+    async def _refresh(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.config.executor_refresh_s)
+            try:
+                self._executor_updates = await self.memory.list_executors()
+                self._wake.set()
+            except KvpagerError as exc:
+                log.warning("executor refresh failed", error=exc.message)
+
+    async def _apply_executor_list(self, pools: list[memory_pb2.ExecutorPoolInfo]) -> None:
+        listed = {p.executor_id: p for p in pools}
+        for executor_id, ex in list(self.executors.items()):
+            pool = listed.get(executor_id)
+            if pool is None or pool.incarnation != ex.incarnation or pool.address != ex.address:
+                self._lose_executor(ex, Unavailable(f"executor {executor_id} left or restarted"), deregister=False)
+        for executor_id, pool in listed.items():
+            if executor_id in self.executors or not pool.address:
+                continue
+            ex = ExecutorClient(pool)
+            try:
+                info = await ex.load_info()
+            except KvpagerError as exc:
+                log.warning("executor unreachable", executor_id=executor_id, error=exc.message)
+                await ex.close()
+                continue
+            self.executors[executor_id] = ex
+            self._set_limits(info)
+            log.info("executor joined", executor_id=executor_id, address=pool.address, model=info.model_id)
+
+    def _set_limits(self, info: executor_pb2.ExecutorInfo) -> None:
+        alive = [e.info for e in self.executors.values() if e.alive and e.info is not None]
+        max_len = min(i.max_model_len for i in alive)
+        self.limits = Limits(max_model_len=max_len, vocab_size=info.vocab_size, max_n=self.config.max_n)
+        self.eos_ids = frozenset(info.eos_token_ids)
+        self.model_id = info.model_id
+
+    def _lose_executor(self, ex: ExecutorClient, error: KvpagerError, deregister: bool) -> None:
+        """Every request on a lost executor ends with `error`; its sequences are
+        forgotten here (the memory service drops them on deregistration or
+        re-registration)."""
+        ex.alive = False
+        self.executors.pop(ex.executor_id, None)
+        for req in [r for r in self.requests.values() if r.executor_id == ex.executor_id]:
+            self._fail_request(req, error, release=False)
+        for seq_id in [s for s, seq in self.seqs.items() if seq.executor_id == ex.executor_id]:
+            self._forget(seq_id)
+        if deregister:
+            asyncio.get_running_loop().create_task(self._deregister(ex))
+        else:
+            asyncio.get_running_loop().create_task(ex.close())
+        log.warning("executor lost", executor_id=ex.executor_id, error=error.message)
+
+    async def _deregister(self, ex: ExecutorClient) -> None:
+        try:
+            await self.memory.deregister(ex.executor_id, ex.incarnation)
+        except KvpagerError as exc:  # already gone or re-registered: its blocks are released either way
+            log.info("deregister after executor loss", executor_id=ex.executor_id, result=exc.status)
+        await ex.close()
+
+    # ---- requests ---------------------------------------------------------------
+
+    def new_request(self, request_id: str, prompt_ids: list[int], spec, *, seed: int | None, priority: int,
+                    cache_salt: str, deadline: float | None, skip_special_tokens: bool) -> Request:
+        return Request(request_id, prompt_ids, spec, seed if seed is not None else random.getrandbits(62),
+                       priority=priority, cache_salt=cache_salt, arrival=next(self._arrivals), deadline=deadline,
+                       skip_special_tokens=skip_special_tokens)
+
+    async def submit(self, req: Request, executor_id: str) -> None:
+        """Admit a validated request to the loop (it is allocated nothing yet)."""
+        if req.request_id in self.requests:
+            raise error_for_status("ALREADY_EXISTS", f"request id {req.request_id!r} is in use")
+        if len(self.requests) >= self.config.max_waiting:
+            raise ResourceExhausted(f"{len(self.requests)} requests in flight; the limit is "
+                                    f"{self.config.max_waiting}", retry_after_s=1.0)
+        req.executor_id = executor_id
+        from gateway.detokenizer import IncrementalDetokenizer
+
+        n = req.spec.num_completions
+        req.completions = [Completion(i, IncrementalDetokenizer(self.tokenizer, req.prompt_ids,
+                                                                req.skip_special_tokens)) for i in range(n)]
+        seq = Seq(next(self._seq_ids), req, None if req.spec.beam_width > 1 else req.completions[0],
+                  list(req.prompt_ids), executor_id)
+        if req.spec.beam_width > 1:
+            self.beams.start(req, seq)
+        self.requests[req.request_id] = req
+        self.seqs[seq.seq_id] = seq
+        metrics.REQUESTS_RUNNING.set(len(self.requests))
+        self._wake.set()
+
+    async def stream(self, req: Request) -> AsyncIterator[Output]:
+        while True:
+            item = await req.outputs.get()
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def abort(self, request_id: str, error: KvpagerError | None = None) -> bool:
+        """Cancel a request; its blocks are released in the next step."""
+        if request_id not in self.requests:
+            return False
+        self._aborts[request_id] = error
+        self._wake.set()
+        return True
+
+    def load(self, executor_id: str) -> int:
+        return sum(1 for s in self.seqs.values() if s.executor_id == executor_id)
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return bool(self.seqs or self._to_free or self._to_abort or self._forks or self._aborts
+                    or self._executor_updates is not None)
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            if not self._has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the loop must survive anything one step does
+                log.exception("engine step failed")
+                err = exc if isinstance(exc, KvpagerError) else Internal("engine step failed")
+                await self._reset(err)
+            await asyncio.sleep(0)  # let streams and new requests run between steps
+
+    async def _reset(self, error: KvpagerError) -> None:
+        """A step failed as a whole: end every request, release what we can."""
+        created = [s.seq_id for s in self.seqs.values() if s.created]
+        for req in list(self.requests.values()):
+            self._fail_request(req, error, release=False)
+        self.seqs.clear()
+        self._forks, self._appends, self._to_free, self._to_abort = [], {}, [], []
+        if created and not isinstance(error, Unavailable):
+            for seq_id in created:
+                try:
+                    await self.memory.free([seq_id], abort=True)
+                except KvpagerError:
+                    pass
+
+    def _apply_aborts(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for req in self.requests.values():
+            if req.deadline is not None and now > req.deadline and req.request_id not in self._aborts:
+                self._aborts[req.request_id] = DeadlineExceeded("request deadline passed")
+        aborts, self._aborts = self._aborts, {}
+        for request_id, error in aborts.items():
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if error is None:
+                for comp in req.completions:
+                    if comp.finish is Finish.NONE:
+                        comp.finish = Finish.ABORT
+                        out = take_output(req, comp)
+                        if out is not None:
+                            req.outputs.put_nowait(out)
+                self._end_request(req, abort=True)
+            else:
+                self._fail_request(req, error)
+            metrics.ABORTS.inc()
+
+    async def _step(self) -> None:
+        if self._executor_updates is not None:
+            updates, self._executor_updates = self._executor_updates, None
+            await self._apply_executor_list(updates)
+        self._apply_aborts()
+        t0 = time.perf_counter()
+        sched_ids, sched_n, new_seqs = self._schedule()
+        if not (sched_ids or self._forks or self._appends or self._to_free or self._to_abort):
+            if self.seqs:
+                await asyncio.sleep(0.005)  # nothing fits now (waiting for executors)
+            return
+        self._step_id += 1
+        app = list(self._appends)
+        request = memory_pb2.StepRequest(
+            step_id=self._step_id, forks=self._forks,
+            appended=common_pb2.TokenBatch(seq_ids=pack_i64(app), offsets=pack_i32(range(len(app) + 1)),
+                                           token_ids=pack_i32(self._appends[s] for s in app)) if app else None,
+            free_seq_ids=pack_i64(self._to_free), abort_seq_ids=pack_i64(self._to_abort),
+            new_sequences=new_seqs, schedule_seq_ids=pack_i64(sched_ids), schedule_num_tokens=pack_i32(sched_n))
+        try:
+            plan = await self.memory.step(request, self.config.step_timeout_s)
+        except Unavailable as exc:
+            await self._reset(Unavailable(f"memory service unavailable: {exc.message}"))
+            return
+        self._forks, self._appends, self._to_free, self._to_abort = [], {}, [], []
+        for new in new_seqs:
+            if new.seq_id in self.seqs:
+                self.seqs[new.seq_id].created = True
+        t_plan = time.perf_counter()
+        self._apply_plan_outcomes(plan)
+        calls = []
+        for ep in plan.executor_plans:
+            ex = self.executors.get(ep.executor_id)
+            if ex is None or not ex.alive:
+                continue
+            exec_req, rows = self._execute_request(ep)
+            if rows:
+                calls.append((ex, exec_req, rows))
+        results = await asyncio.gather(*(ex.execute(r, self.config.step_timeout_s) for ex, r, _ in calls),
+                                       return_exceptions=True)
+        t_exec = time.perf_counter()
+        for (ex, _, rows), result in zip(calls, results):
+            if isinstance(result, BaseException):
+                if isinstance(result, KvpagerError) and not isinstance(result, Unavailable):
+                    log.error("executor rejected a step", executor_id=ex.executor_id, error=result.message)
+                self._lose_executor(ex, result if isinstance(result, KvpagerError)
+                                    else Unavailable(str(result)), deregister=True)
+                continue
+            self._apply_results(rows, result)
+        metrics.STEP_SECONDS.labels("plan").observe(t_plan - t0)
+        metrics.STEP_SECONDS.labels("execute").observe(t_exec - t_plan)
+        metrics.STEP_SECONDS.labels("total").observe(time.perf_counter() - t0)
+        metrics.SCHEDULED_SEQS.observe(len(sched_ids))
+
+    def _schedule(self) -> tuple[list[int], list[int], list[memory_pb2.NewSequence]]:
+        """What to ask the memory service to compute, in priority order."""
+        cfg = self.config
+        alive = self.executors
+        if cfg.policy == "priority":
+            def key(s: Seq):
+                return (s.request.priority, s.request.arrival, s.seq_id)
+        else:  # FCFS: sequences already holding KV first, then by arrival
+            def key(s: Seq):
+                return (s.status is SeqStatus.WAITING, s.request.arrival, s.seq_id)
+        budget = cfg.max_batch_tokens
+        ids, nums, new = [], [], []
+        for s in sorted(self.seqs.values(), key=key):
+            if len(ids) >= cfg.max_running or budget <= 0:
+                break
+            if s.executor_id not in alive:
+                continue
+            remaining = len(s.tokens) - s.num_computed
+            if remaining <= 0:
+                continue
+            k = min(remaining, budget)
+            budget -= k
+            ids.append(s.seq_id)
+            nums.append(k)
+            if not s.created:
+                req = s.request
+                new.append(memory_pb2.NewSequence(
+                    seq_id=s.seq_id, executor_id=s.executor_id, prompt_token_ids=pack_i32(s.tokens),
+                    priority=req.priority, cache_salt=req.cache_salt,
+                    max_total_tokens=len(req.prompt_ids) + req.spec.max_tokens))
+        return ids, nums, new
+
+    def _apply_plan_outcomes(self, plan: memory_pb2.StepPlan) -> None:
+        for rej in plan.rejected:
+            seq = self.seqs.get(rej.seq_id)
+            if seq is not None:
+                seq.created = False
+                self._fail_request(seq.request, error_for_status(rej.code, rej.message))
+        for p in plan.preempted:
+            seq = self.seqs.get(p.seq_id)
+            if seq is None:
+                continue
+            if p.mode == common_pb2.PREEMPTION_MODE_SWAP:
+                seq.status = SeqStatus.SWAPPED
+            else:
+                seq.status = SeqStatus.WAITING
+                seq.num_computed = 0
+            metrics.PREEMPTIONS.labels("swap" if p.mode == common_pb2.PREEMPTION_MODE_SWAP else "recompute").inc()
+
+    def _execute_request(self, ep: memory_pb2.ExecutorPlan) -> tuple[executor_pb2.ExecuteRequest, list]:
+        """The executor's part of the plan, with token ids and sampling added.
+        Block tables and slot mappings pass through as the memory service packed them."""
+        seq_ids = unpack_i64(ep.seq_ids)
+        ctx = unpack_i32(ep.context_lens)
+        qlen = unpack_i32(ep.query_lens)
+        cached = unpack_i32(ep.num_cached_tokens)
+        tokens = array("i")
+        num_samples, temps, top_ps, top_ks, seeds, tops = (array("i"), array("f"), array("f"), array("i"),
+                                                            array("q"), array("i"))
+        rows = []  # (seq, num_samples, num_top) per plan row
+        want_logprobs = False
+        for i, seq_id in enumerate(seq_ids):
+            seq = self.seqs[seq_id]
+            req = seq.request
+            if not req.admitted:
+                req.admitted = True
+                req.num_cached_tokens = cached[i] if i < len(cached) else 0
+            start, n = ctx[i], qlen[i]
+            seq.status = SeqStatus.RUNNING
+            seq.num_computed = start + n
+            tokens.extend(seq.tokens[start:start + n])
+            spec = req.spec
+            samples, top = 0, 0
+            if seq.num_computed == len(seq.tokens):  # the last known token: its logits are wanted
+                if spec.beam_width > 1:
+                    top = self.beams.top_k(req)
+                elif spec.n > 1 and not seq.sampled_first:
+                    samples = spec.n
+                    seeds.extend(req.seed + j for j in range(samples))
+                else:
+                    samples = 1
+                    seeds.append(req.seed + seq.completion.index)
+            num_samples.append(samples)
+            temps.append(spec.temperature)
+            top_ps.append(spec.top_p)
+            top_ks.append(spec.top_k)
+            tops.append(top)
+            want_logprobs = want_logprobs or spec.logprobs
+            rows.append((seq, samples, top))
+        ex = self.executors[ep.executor_id]
+        request = executor_pb2.ExecuteRequest(
+            step_id=self._step_id, incarnation=ex.incarnation, cache_ops=ep.cache_ops, seq_ids=ep.seq_ids,
+            context_lens=ep.context_lens, query_lens=ep.query_lens, token_ids=array_bytes(tokens),
+            block_table_offsets=ep.block_table_offsets, block_tables=ep.block_tables, slot_mapping=ep.slot_mapping,
+            sampling=executor_pb2.SamplingBatch(
+                num_samples=array_bytes(num_samples), temperature=array_bytes(temps), top_p=array_bytes(top_ps),
+                top_k=array_bytes(top_ks), seeds=array_bytes(seeds), num_top_logprobs=array_bytes(tops),
+                return_logprobs=want_logprobs))
+        return request, rows
+
+    def _apply_results(self, rows: list, resp: executor_pb2.ExecuteResponse) -> None:
+        sampled = unpack_i32(resp.sampled_token_ids)
+        logprobs = unpack_f32(resp.sampled_logprobs) if resp.sampled_logprobs else None
+        top_offsets = unpack_i32(resp.top_offsets) if resp.top_offsets else None
+        top_ids = unpack_i32(resp.top_token_ids) if resp.top_token_ids else None
+        top_lps = unpack_f32(resp.top_logprobs) if resp.top_logprobs else None
+        pos = 0
+        for row, (seq, samples, top) in enumerate(rows):
+            if top:
+                a, b = top_offsets[row], top_offsets[row + 1]
+                self.beams.candidates(seq, list(top_ids[a:b]), list(top_lps[a:b]))
+                continue
+            if not samples:
+                continue
+            toks = sampled[pos:pos + samples]
+            lps = logprobs[pos:pos + samples] if logprobs is not None else [None] * samples
+            pos += samples
+            if seq.seq_id not in self.seqs:
+                continue  # aborted while the step ran
+            if samples > 1:
+                self._fan_out(seq, list(toks), list(lps))
+            else:
+                self._accept(seq, seq.completion, toks[0], lps[0])
+        self.beams.finish_step()
+        metrics.TOKENS_GENERATED.inc(len(sampled))
+
+    def _fan_out(self, parent: Seq, toks: list[int], lps: list) -> None:
+        """n > 1: the prompt was computed once; each completion gets its own
+        first token, children share the parent's blocks (copy-on-write)."""
+        parent.sampled_first = True
+        req = parent.request
+        children = []
+        for i in range(1, len(toks)):
+            child = Seq(next(self._seq_ids), req, req.completions[i], list(parent.tokens), parent.executor_id,
+                        num_computed=parent.num_computed, status=SeqStatus.RUNNING, created=True,
+                        sampled_first=True)
+            self.seqs[child.seq_id] = child
+            children.append(child)
+        self._forks.append(memory_pb2.ForkOp(parent_seq_id=parent.seq_id,
+                                             child_seq_ids=[c.seq_id for c in children]))
+        self._accept(parent, parent.completion, toks[0], lps[0])
+        for child, tok, lp in zip(children, toks[1:], lps[1:]):
+            self._accept(child, child.completion, tok, lp)
+
+    def _accept(self, seq: Seq, comp: Completion, token: int, logprob) -> None:
+        req = seq.request
+        finish = accept_token(req, comp, token, logprob, self.eos_ids, len(seq.tokens) + 1,
+                              self.limits.max_model_len)
+        out = take_output(req, comp)
+        if out is not None:
+            req.outputs.put_nowait(out)
+        if finish is Finish.NONE:
+            seq.tokens.append(token)
+            self._appends[seq.seq_id] = token
+            return
+        self._release(seq)
+        if all(c.finish is not Finish.NONE for c in req.completions):
+            self._end_request(req)
+
+    # ---- bookkeeping --------------------------------------------------------------
+
+    def _release(self, seq: Seq, abort: bool = False) -> None:
+        """Forget a sequence; the memory service frees it in the next step."""
+        self._forget(seq.seq_id)
+        if seq.created:
+            (self._to_abort if abort else self._to_free).append(seq.seq_id)
+
+    def _forget(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+        self._appends.pop(seq_id, None)
+
+    def _end_request(self, req: Request, abort: bool = False) -> None:
+        for seq in [s for s in self.seqs.values() if s.request is req]:
+            self._release(seq, abort=abort)
+        req.done = True
+        self.requests.pop(req.request_id, None)
+        req.outputs.put_nowait(_END)
+        metrics.REQUESTS_RUNNING.set(len(self.requests))
+        metrics.REQUESTS_FINISHED.labels("abort" if abort else "ok").inc()
+
+    def _fail_request(self, req: Request, error: KvpagerError, release: bool = True) -> None:
+        if req.done:
+            return
+        if release:
+            for seq in [s for s in self.seqs.values() if s.request is req]:
+                self._release(seq, abort=True)
+        else:
+            for seq_id in [s.seq_id for s in self.seqs.values() if s.request is req]:
+                self._forget(seq_id)
+        req.done = True
+        self.requests.pop(req.request_id, None)
+        req.outputs.put_nowait(error)
+        metrics.REQUESTS_RUNNING.set(len(self.requests))
+        metrics.REQUESTS_FINISHED.labels(error.status.lower()).inc()

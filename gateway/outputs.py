@@ -1,0 +1,58 @@
+"""Turn sampled tokens into streamed deltas: stop conditions, incremental
+text, the held-back tail that might still become a stop string."""
+
+from __future__ import annotations
+
+from gateway.state import Completion, Finish, Output, Request
+
+
+def accept_token(req: Request, comp: Completion, token: int, logprob: float | None, eos_ids: frozenset[int],
+                 total_len: int, max_model_len: int) -> Finish:
+    """Record one sampled token of a completion; returns why it finished (or NONE)."""
+    spec = req.spec
+    comp.output_ids.append(token)
+    if logprob is not None:
+        comp.logprobs.append(logprob)
+        comp.cumulative_logprob += logprob
+    n_out = len(comp.output_ids)
+    finish = Finish.NONE
+    is_stop_token = (token in eos_ids and not spec.ignore_eos) or token in spec.stop_token_ids
+    if is_stop_token and n_out > spec.min_tokens:
+        finish = Finish.STOP  # the stop token's text is not part of the output
+    else:
+        comp.detok.add([token])
+        if spec.stop and n_out > spec.min_tokens:
+            longest = max(len(s) for s in spec.stop)
+            text = comp.detok.text
+            start = max(0, comp.sent_text - longest)
+            hits = [p for p in (text.find(s, start) for s in spec.stop) if p >= 0]
+            if hits:
+                comp.stop_text_end = min(hits)
+                finish = Finish.STOP
+    if finish is Finish.NONE and (n_out >= spec.max_tokens or total_len >= max_model_len):
+        finish = Finish.LENGTH
+    comp.finish = finish
+    return finish
+
+
+def take_output(req: Request, comp: Completion) -> Output | None:
+    """The delta not yet streamed (None if there is nothing new)."""
+    text = comp.detok.text
+    if comp.finish is not Finish.NONE:
+        end = comp.stop_text_end if comp.stop_text_end is not None else len(text)
+    else:
+        hold = max((len(s) for s in req.spec.stop), default=1) - 1  # could still become a stop string
+        end = max(comp.sent_text, len(text) - hold)
+    new_tokens = comp.output_ids[comp.sent_tokens:]
+    delta = text[comp.sent_text:end]
+    if not new_tokens and not delta and comp.finish is Finish.NONE:
+        return None
+    out = Output(comp.index, new_tokens, delta, comp.finish,
+                 logprobs=comp.logprobs[comp.sent_tokens:] if req.spec.logprobs else [],
+                 cumulative_logprob=comp.cumulative_logprob)
+    comp.sent_tokens = len(comp.output_ids)
+    comp.sent_text = max(comp.sent_text, end)
+    if comp.finish is not Finish.NONE:
+        out.prompt_tokens, out.completion_tokens, out.cached_prompt_tokens = (
+            len(req.prompt_ids), len(comp.output_ids), req.num_cached_tokens)
+    return out

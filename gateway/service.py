@@ -1,0 +1,101 @@
+"""Start and stop the gateway in-process (the CLI, `kvpager up` and tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+from kvpager.server import ServiceRuntime
+from kvpager.telemetry import get_logger
+from kvpager.v1 import gateway_pb2_grpc
+from gateway.clients import MemoryClient
+from gateway.engine import Engine, EngineConfig
+from gateway.router import PrefixAwareRouter
+from gateway.servicer import GatewayServicer
+
+log = get_logger("gateway")
+
+SERVICE_NAME = "kvpager.v1.Gateway"
+
+
+@dataclass
+class GatewayConfig:
+    model: str                                  # checkpoint directory: the tokenizer is read from it
+    memory_address: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    port: int = 50050
+    metrics_port: int | None = None
+    grace_s: float = 5.0
+    max_message_bytes: int = 16 * 2**20
+    redis_url: str | None = None                # route by the Redis mirror instead of ScorePrefix RPCs
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+class GatewayServer:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.memory = MemoryClient(config.memory_address)
+        self.engine = Engine(config.engine, self.memory, self.tokenizer)
+        reader = None
+        if config.redis_url:
+            from memory_service.mirror.reader import PrefixReader  # only with the mirror on
+
+            reader = PrefixReader.for_gateway(config.redis_url)
+        self.router = PrefixAwareRouter(self.engine, config.engine.load_weight_tokens, reader)
+        self.runtime = ServiceRuntime("gateway", host=config.host, port=config.port,
+                                      metrics_port=config.metrics_port, grace_s=config.grace_s,
+                                      max_message_bytes=config.max_message_bytes)
+        self.runtime.add(gateway_pb2_grpc.add_GatewayServicer_to_server,
+                         GatewayServicer(self.engine, self.router, self.tokenizer), SERVICE_NAME)
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return self.runtime.address
+
+    async def start(self) -> GatewayServer:
+        await self.runtime.start()
+        await self.engine.start()
+        self._watch = asyncio.get_running_loop().create_task(self._track_readiness())
+        return self
+
+    async def _track_readiness(self) -> None:
+        """SERVING exactly while at least one executor is serving."""
+        serving = None
+        while True:
+            ready = self.engine.ready
+            if ready != serving:
+                await self.runtime.set_serving(ready)
+                log.info("gateway readiness", serving=ready, executors=len(self.engine.executors))
+                serving = ready
+            await asyncio.sleep(0.1)
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        async def ready() -> None:
+            while not self.engine.ready:
+                await asyncio.sleep(0.05)
+        await asyncio.wait_for(ready(), timeout_s)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
+        await self.runtime.stop(grace_s)
+        await self.engine.stop()
+        await self.memory.close()
+
+    async def serve_until_signal(self) -> None:
+        try:
+            await self.runtime.serve_until_signal()
+        finally:
+            await self.stop()
