@@ -24,7 +24,6 @@ from kernels.checks import check_cache_pair, check_float_dtype, check_index
 
 __all__ = ["paged_attention", "paged_attention_impl", "decode_partition_size"]
 
-_LOG2E = 1.4426950408889634
 # Finite "minus infinity": -inf would turn exp2(m_old - m_new) into NaN when a
 # row has seen no valid key yet (-inf - -inf).
 _NEG_BIG = -1.0e30

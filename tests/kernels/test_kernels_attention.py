@@ -75,6 +75,13 @@ def test_block_size_128_and_gqa_8(device, tol):
     _assert_matches_reference(batch, tol)
 
 
+@pytest.mark.parametrize("mix", ["mixed", "decode"])
+def test_non_power_of_two_group(device, tol, mix):
+    # 3 query heads per kv head: rows padded to 4 per token, the 4th masked.
+    batch = _batch(mix, device, num_heads=12, num_kv_heads=4, head_dim=80, block_size=8)
+    _assert_matches_reference(batch, tol)
+
+
 def test_matches_independent_sdpa(device):
     batch = _batch("mixed", device, head_dim=80)
     got = kernels.paged_attention(*batch.args())
