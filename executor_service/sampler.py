@@ -2,14 +2,14 @@
 
 Randomness never comes from a global RNG or from a row's place in the batch.
 Each sampled token draws from a counter-based hash of
-``(seed, position, sample_index, token_id)`` (splitmix64, vectorised in torch
-int64), so the same request samples the same tokens whatever else shares its
-batch, in any order, across process restarts and machines:
-
-  position      absolute position the sampled token will occupy
-                (context_len + query_len of its sequence);
-  sample_index  0..num_samples-1 among the tokens drawn for one sequence in
-                one step (n>1 parallel sampling from the same logits).
+``(seed, position, token_id)`` (splitmix64, vectorised in torch int64), so
+the same request samples the same tokens whatever else shares its batch, in
+any order, across process restarts and machines. ``position`` is the
+absolute position the sampled token will occupy (context_len + query_len of
+its sequence). Every sampled token carries its own seed: n>1 parallel
+samples drawn from the same logits differ because the gateway gives
+completion i the seed ``seed + i`` — and so completion i equals what a
+request with that seed alone would produce.
 
 The draw is an exponential race (the Gumbel-max trick): the token maximising
 ``log p_t - log(-log u_t)`` is an exact sample of ``p`` after temperature,
@@ -130,7 +130,8 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         scaled = logits[r] / temperature[rand][:, None]  # [Nr, V]
         scaled = apply_top_k_top_p(scaled, inputs.top_k[r], inputs.top_p[r])
         log_p = scaled.log_softmax(dim=-1)
-        u = hash_uniform(inputs.seeds[rand], inputs.positions[r], sample_index[rand], vocab)
+        # keyed by (seed, position) only: completion i of n equals seed + i alone
+        u = hash_uniform(inputs.seeds[rand], inputs.positions[r], torch.zeros_like(sample_index[rand]), vocab)
         gumbel = -torch.log(-torch.log(u))  # [Nr, V] float64
         token_ids[rand] = (log_p.double() + gumbel).argmax(dim=-1)
 

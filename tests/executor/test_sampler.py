@@ -119,9 +119,11 @@ def test_same_key_same_token_different_seed_differs():
     b = sample(logits, _inputs(num_samples=1, seeds=torch.tensor([5]))).token_ids
     c = sample(logits, _inputs(num_samples=1, seeds=torch.tensor([6]))).token_ids
     assert torch.equal(a, b) and not torch.equal(a, c)
-    # n > 1 from one row: sample_index separates draws even with one seed.
-    many = sample(logits, _inputs(num_samples=8, seeds=torch.full((8,), 5))).token_ids
-    assert many[0] == a[0] and len(set(many.tolist())) > 1
+    # n > 1 from one row: each draw carries its own seed, and draw i equals
+    # what that seed gives alone (completion i of n == seed + i on its own).
+    many = sample(logits, _inputs(num_samples=8, seeds=torch.arange(5, 13))).token_ids
+    alone = [sample(logits, _inputs(num_samples=1, seeds=torch.tensor([s]))).token_ids[0] for s in range(5, 13)]
+    assert many.tolist() == [int(t) for t in alone] and len(set(many.tolist())) > 1
 
 
 def test_logprobs_are_raw_log_softmax_and_top_logprobs_sorted():
