@@ -71,7 +71,9 @@ def _gather_context(
     # may be NaN/inf; masking scores is not enough (0 * NaN = NaN in P @ V).
     if lengths is not None:
         pad = torch.arange(max_len, device=cache.device)[None, :] >= lengths[:, None]  # [S, L]
-        ctx = ctx.masked_fill(pad[:, :, None, None], 0)
+        seq_idx, pos_idx = pad.nonzero(as_tuple=True)
+        # In place on our fresh gather, touching only the padded tokens.
+        ctx[seq_idx, pos_idx] = 0
     return ctx
 
 
@@ -83,15 +85,17 @@ def _attend(
     q: [B, H, M, D]; k, v: [B, KVH, N, D]; mask: bool broadcastable to
     [B, H, M, N] (True = attend) -> [B, H, M, D] fp32.
     """
+    q, k, v = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
-    if group > 1:
-        # Expanding instead of SDPA's enable_gqa keeps us on the plain math
-        # path for any torch build; K/V per call are small on CPU anyway.
+    if group == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    try:
+        # ~10x faster on CPU than materialising repeated K/V.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    except TypeError:  # torch < 2.5 has no enable_gqa
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=mask, scale=scale
-    )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def paged_attention(
@@ -136,11 +140,15 @@ def paged_attention(
         k = _gather_context(k_cache, tables[idx_dev], max_len, d_lens_dev)  # [Sd, L, KVH, D]
         v = _gather_context(v_cache, tables[idx_dev], max_len, d_lens_dev)
         rows = qsl[:-1][decode_idx].to(device)  # token index of each decode
-        qd = q[rows].unsqueeze(2)  # [Sd, H, 1, D]
+        sd, kvh = k.shape[0], k.shape[2]
+        # A decode's query heads sharing a kv head all see the same keys with
+        # no causal mask, so the group becomes a short query block:
+        # q [Sd, KVH, G, D] against k [Sd, KVH, L, D] (the fastest CPU form).
+        qd = q[rows].reshape(sd, kvh, num_heads // kvh, head_dim)
         # key position < seq_len (the decode token is the last position).
         mask = torch.arange(max_len, device=device)[None, :] < d_lens_dev[:, None]
         o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
-        out[rows] = o.squeeze(2).to(out.dtype)
+        out[rows] = o.reshape(sd, num_heads, head_dim).to(out.dtype)
 
     prefill_idx = torch.nonzero(q_lens > 1).flatten().tolist()
     for s in prefill_idx:
