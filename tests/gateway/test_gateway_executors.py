@@ -1,0 +1,95 @@
+"""Several executors: prefix-aware routing, and an executor killed mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+from gateway_harness import generate, spawn_executor, start_stack, wait_port_serving
+
+from kvpager.v1 import gateway_pb2, memory_pb2
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from executor_service.demo_model import build_demo_model
+
+    return str(build_demo_model(tmp_path_factory.mktemp("gwe") / "demo", vocab_size=320,
+                                max_position_embeddings=256))
+
+
+async def test_repeated_prefix_goes_to_the_executor_that_holds_it(model):
+    stack = await start_stack(model, executors=2, num_blocks=64, block_size=4)
+    try:
+        engine = stack.gateway.engine
+        shared = list(range(40, 72))  # 8 full blocks
+        first = await generate(stack.gw, shared + [1], max_tokens=2, ignore_eos=True)
+        assert first[0][3].cached_prompt_tokens == 0
+        scores = await stack.mem.ScorePrefix(memory_pb2.ScorePrefixRequest(
+            token_ids=memoryview(bytes(__import__("array").array("i", shared + [2]))).tobytes()))
+        holder = max(scores.scores, key=lambda s: s.hit_blocks).executor_id
+        for i in range(4):
+            res = await generate(stack.gw, shared + [2 + i], max_tokens=2, ignore_eos=True)
+            assert res[0][3].cached_prompt_tokens == len(shared), f"request {i} missed the prefix"
+        acc = await stack.mem.GetAccounting(memory_pb2.AccountingRequest(executor_id=holder))
+        assert acc.total.prefix_hit_tokens == 4 * len(shared)
+        # an unrelated prompt goes to the idle executor when the holder is busy
+        assert len(engine.executors) == 2
+        await stack.wait_idle()
+    finally:
+        await stack.stop()
+
+
+async def test_executor_killed_mid_stream(model):
+    stack = await start_stack(model, executors=1, num_blocks=64, block_size=4)
+    proc, address = spawn_executor(model, stack.memory.address, "victim", num_blocks=64, block_size=4)
+    try:
+        await wait_port_serving(address, 90)
+        engine = stack.gateway.engine
+        while "victim" not in engine.executors:
+            await asyncio.sleep(0.05)
+        router = stack.gateway.router
+        prefix = list(range(200, 232))
+        engine_choose = router.choose
+
+        async def choose_victim(prompt_ids, cache_salt):
+            return "victim"
+
+        router.choose = choose_victim  # steer these three to the victim
+        calls = [stack.gw.Generate(gateway_pb2.GenerateRequest(
+            prompt_token_ids=prefix + [i], sampling_params=dict(max_tokens=200, ignore_eos=True)))
+            for i in range(3)]
+        first_tokens = [await call.read() for call in calls]
+        assert all(r.token_ids for r in first_tokens)
+        router.choose = engine_choose
+        proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while True:
+                    r = await call.read()
+                    if r is grpc.aio.EOF:
+                        break
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 10
+        # its blocks are released and new requests go to the survivor
+        deadline = time.monotonic() + 10
+        while True:
+            acc = await stack.mem.GetAccounting(memory_pb2.AccountingRequest())
+            if acc.total.used_blocks == 0 and all(e.executor_id != "victim" for e in acc.executors):
+                break
+            assert time.monotonic() < deadline, acc
+            await asyncio.sleep(0.05)
+        res = await generate(stack.gw, [5, 6, 7], max_tokens=4, ignore_eos=True)
+        assert len(res[0][0]) == 4
+        assert list(engine.executors) == ["executor-0"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        await stack.stop()

@@ -1,0 +1,61 @@
+"""A pool too small for the load: preemption by recompute and by swap keeps
+every completion token-exact and returns every block."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from gateway_harness import Oracle, generate, start_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from executor_service.demo_model import build_demo_model
+
+    return str(build_demo_model(tmp_path_factory.mktemp("gwp") / "demo", vocab_size=320,
+                                max_position_embeddings=256, num_kv_heads=4))
+
+
+@pytest.fixture(scope="module")
+def oracle(model):
+    return Oracle(model)
+
+
+@pytest.mark.parametrize("mode,swap_min_tokens", [("recompute", 10**6), ("swap", 1)])
+async def test_preemption_keeps_outputs_exact(model, oracle, mode, swap_min_tokens):
+    # 24 blocks of 4 = 96 slots for 6 requests that each grow to ~40 tokens
+    stack = await start_stack(model, num_blocks=24, block_size=4, swap_blocks=64, swap_min_tokens=swap_min_tokens,
+                              max_batch_tokens=64)
+    try:
+        rng = random.Random(7)
+        prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(8, 16))] for _ in range(6)]
+        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=24, ignore_eos=True) for p in prompts))
+        for p, res in zip(prompts, results):
+            assert res[0][0] == oracle.greedy(p, 24, min_new_tokens=24), p
+        t = await stack.wait_idle()
+        assert getattr(t, f"preemptions_{mode}") > 0, t
+        if mode == "swap":
+            assert t.swap_free_blocks == t.swap_total_blocks
+    finally:
+        await stack.stop()
+
+
+async def test_priority_request_preempts_lower_priority(model):
+    stack = await start_stack(model, num_blocks=16, block_size=4, swap_min_tokens=10**6, policy="priority",
+                              max_batch_tokens=64)
+    try:
+        low = [asyncio.ensure_future(generate(stack.gw, [5 + i] * 10, max_tokens=40, ignore_eos=True, priority=10))
+               for i in range(2)]
+        await asyncio.sleep(0.3)
+        high = await generate(stack.gw, [99] * 12, max_tokens=8, ignore_eos=True, priority=0)
+        assert len(high[0][0]) == 8
+        for res in await asyncio.gather(*low):
+            assert len(res[0][0]) == 40
+        t = await stack.wait_idle()
+        assert t.preemptions > 0
+    finally:
+        await stack.stop()
