@@ -309,19 +309,31 @@ class MemoryManager:
         # executor -> (seq, start, k, prefix hit reported: on the first admission only)
         plans: dict[str, list[tuple[Sequence, int, int, int]]] = {}
 
+        executors = self.executors
+        running = SeqStatus.RUNNING
+        kv = None
+        rows = None
         for seq_id, k in zip(step.schedule_seq_ids, step.schedule_num_tokens):
             if seq_id in rejected:
                 continue
             seq = seqs[seq_id]
             done.add(seq_id)
-            if seq_id in preempted:
+            if preempted and seq_id in preempted:
                 out.unscheduled.append(seq_id)
                 continue
-            kv = self.executors[seq.executor_id]
+            if kv is None or kv.spec.executor_id != seq.executor_id:
+                kv = executors[seq.executor_id]
+                rows = plans.setdefault(seq.executor_id, [])
             status = seq.status
-            if status is SeqStatus.RUNNING:
-                k = min(k, seq.num_tokens - seq.num_computed)  # >= 1, validated
+            if status is running:
                 start = seq.num_computed
+                remaining = len(seq.token_ids) - start  # >= 1, validated
+                if k > remaining:
+                    k = remaining
+                if kv.allocate_slots(seq, k):  # the common case: no preemption
+                    rows.append((seq, start, k, 0))
+                    kv.commit(seq, k)
+                    continue
                 while not kv.allocate_slots(seq, k):
                     victim = self.victim_policy.select(
                         [s for s in (seqs[i] for i in kv.seq_ids)
@@ -369,7 +381,7 @@ class MemoryManager:
         for executor_id, kv in self.executors.items():
             rows = plans.get(executor_id)
             ops = kv.take_ops()
-            if rows is None and not ops:
+            if not rows and not ops:
                 continue
             out.executor_plans.append(self._build_plan(kv, rows or [], ops))
 
