@@ -14,7 +14,6 @@ from kvpager.errors import AlreadyExists, FailedPrecondition, InvalidArgument, K
 from memory_service.events import AllCleared, BlockRemoved, BlockStored
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.policy import PreemptionMode
-from memory_service.records import StepInput
 
 
 RECOMPUTE, SWAP = PreemptionMode.RECOMPUTE, PreemptionMode.SWAP

@@ -1,0 +1,599 @@
+"""Property test: a hypothesis state machine plays the gateway against
+MemoryManager.step, with a simulated executor holding what each slot contains.
+
+Each rule is one Step (or one re-registration): new requests from a small
+alphabet so prefixes repeat, decode appends, chunked prefill, forks whose
+children diverge, frees and aborts, floods of distinct prompts (eviction),
+malformed steps (must change nothing), retried steps, executor
+re-registration. Pools are tiny and swap pools vary, so preemption by both
+modes happens all the time.
+
+The simulated executor applies each plan as the real one does — swap-outs,
+swap-ins, copies, then the forward writes every planned slot before any row
+reads its context — and stores in each slot the (salt, token prefix) whose KV
+it would hold. So besides check_invariants() == [] after every rule, it
+checks that every row reads exactly its own tokens' KV, that every live
+sequence's computed KV (on device or in the swap pool) is intact, that plan
+tables equal the sequences' tables, FCFS admission, that the KV-event stream
+rebuilds the prefix index exactly, and the accounting identities.
+
+CI runs 100 examples of up to 140 rules: at least 10,000 rules (asserted),
+about 10 s on 2 cores. A longer run (about 120,000 rules, 2 minutes):
+    KVPAGER_STATEFUL_EXAMPLES=1000 python -m pytest tests/memory/test_stateful.py -q -s
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
+    run_state_machine_as_test
+
+from kvpager.errors import KvpagerError
+from memory_service.events import AllCleared, BlockRemoved, BlockStored, EventQueue
+from memory_service.kv_manager import ExecutorSpec
+from memory_service.manager import MemoryManager
+from memory_service.policy import ModePolicy, PreemptionMode
+from memory_service.records import NewSeq, StepInput
+from memory_service.sequence import SeqStatus
+
+EXAMPLES = int(os.environ.get("KVPAGER_STATEFUL_EXAMPLES", "100"))
+STEPS = 140  # per example (the initialize step included); hypothesis ends some examples early
+VOCAB = 12
+TEMPLATES = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5], [])
+EXECUTORS = ("e0", "e1")
+
+RULES_RUN = [0]  # rules executed by this process, over all examples
+# What the runs exercised (printed, and each must have happened at least once).
+STATS = dict.fromkeys(("preempt_recompute", "preempt_swap", "cow_copies", "swap_ins", "prefix_hits", "evictions",
+                       "rejected", "unscheduled", "bad_steps", "retries", "reregistrations"), 0)
+
+
+class Slots:
+    """What one executor's device and swap pools hold, slot by slot."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.dev: dict[int, tuple] = {}
+        self.cpu: dict[int, tuple] = {}
+
+    def apply_ops(self, ops) -> None:
+        bs = self.bs
+        assert len(ops.swap_out_src) == len(ops.swap_out_dst)
+        assert len(ops.swap_in_src) == len(ops.swap_in_dst)
+        assert len(ops.copy_src) == len(ops.copy_dst)
+        for src, dst in zip(ops.swap_out_src, ops.swap_out_dst):
+            for off in range(bs):
+                self.cpu[dst * bs + off] = self.dev.get(src * bs + off)
+        for src, dst in zip(ops.swap_in_src, ops.swap_in_dst):
+            for off in range(bs):
+                self.dev[dst * bs + off] = self.cpu.get(src * bs + off)
+        # one batched copy: every source is read before any destination is written
+        moved = [[self.dev.get(src * bs + off) for off in range(bs)] for src in ops.copy_src]
+        for dst, values in zip(ops.copy_dst, moved):
+            for off, value in enumerate(values):
+                self.dev[dst * bs + off] = value
+
+
+def kv_of(salt: str, tokens: list[int], pos: int) -> tuple:
+    """The KV a slot holds for position pos: a function of every token up to it."""
+    return (salt, tuple(tokens[:pos + 1]))
+
+
+class MemoryMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m: MemoryManager | None = None
+
+    # ---- set-up -----------------------------------------------------------------------
+
+    @initialize(block_sizes=st.tuples(st.sampled_from([2, 4]), st.sampled_from([1, 2, 4])),
+                num_blocks=st.tuples(st.integers(3, 10), st.integers(8, 16)),
+                num_swap=st.tuples(st.integers(0, 8), st.integers(0, 3)),
+                max_model_len=st.tuples(st.sampled_from([0, 12, 24]), st.sampled_from([0, 40])),
+                swap_min_tokens=st.sampled_from([1, 3, 8, 10**6]))
+    def setup(self, block_sizes, num_blocks, num_swap, max_model_len, swap_min_tokens):
+        self.events = EventQueue(enabled=True)
+        self.m = MemoryManager(mode_policy=ModePolicy(swap_min_tokens=swap_min_tokens), events=self.events)
+        self.specs: dict[str, ExecutorSpec] = {}
+        self.slots: dict[str, Slots] = {}
+        self.index: dict[str, dict[bytes, int]] = {}   # rebuilt from the event stream
+        for i, eid in enumerate(EXECUTORS):
+            self._register(ExecutorSpec(eid, num_blocks=num_blocks[i], block_size=block_sizes[i],
+                                        num_swap_blocks=num_swap[i], model_id="m", dtype="float32",
+                                        incarnation=1, pool_generation=1, max_model_len=max_model_len[i],
+                                        vocab_size=VOCAB))
+        self.tokens: dict[int, list[int]] = {}     # the gateway's view of every live sequence
+        self.salt: dict[int, str] = {}
+        self.limit: dict[int, int] = {}
+        self.freed: list[int] = []
+        self.next_seq_id = 1
+        self.step_id = 0
+        self.last: tuple[StepInput, object] | None = None
+
+    def _register(self, spec: ExecutorSpec) -> None:
+        self.m.register_executor(spec)
+        self.specs[spec.executor_id] = spec
+        self.slots[spec.executor_id] = Slots(spec.block_size)
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _new_id(self) -> int:
+        self.next_seq_id += 1
+        return self.next_seq_id
+
+    def _live(self, *statuses: SeqStatus) -> list[int]:
+        return sorted(s for s, seq in self.m.seqs.items() if not statuses or seq.status in statuses)
+
+    def _prompt(self, rnd: random.Random, distinct: bool = False) -> list[int]:
+        if distinct:
+            return [rnd.randrange(VOCAB) for _ in range(rnd.randint(1, 12))]
+        base = list(rnd.choice(TEMPLATES))[:rnd.choice([0, 4, 8, 8])]
+        return base + [rnd.randrange(4) for _ in range(rnd.randint(1 if not base else 0, 6))]
+
+    def _new(self, rnd: random.Random, step: StepInput, distinct: bool = False) -> int:
+        seq_id = self._new_id()
+        eid = rnd.choice(EXECUTORS)
+        max_total = rnd.choice([0, 0, 0, rnd.randint(1, 24)])
+        step.new_seqs.append(NewSeq(seq_id, eid, self._prompt(rnd, distinct), priority=rnd.randint(0, 3),
+                                    cache_salt=rnd.choice(["", "", "", "t1"]), max_total_tokens=max_total))
+        return seq_id
+
+    def _trim(self, rnd: random.Random, step: StepInput, keep: int = 8) -> list[int]:
+        """Finish random sequences beyond `keep` in this step (a gateway's
+        requests end): pools turn over instead of silting up. Returns the rest."""
+        live = self._live()
+        if len(live) > keep:
+            gone = rnd.sample(live, len(live) - keep)
+            step.free_seq_ids = [*step.free_seq_ids, *gone]
+            live = [s for s in live if s not in gone]
+        return live
+
+    def _limit(self, spec: ExecutorSpec, max_total: int) -> int:
+        limit = spec.num_blocks * spec.block_size
+        if spec.max_model_len:
+            limit = min(limit, spec.max_model_len)
+        return min(limit, max_total) if max_total else limit
+
+    def _schedule(self, rnd: random.Random, step: StepInput, seq_ids, appended: dict[int, list[int]],
+                  family: dict[int, int] | None = None) -> None:
+        """Schedule seq_ids (live, or children of this step's forks): a token is
+        appended first to a computed-up sequence; chunks vary."""
+        for seq_id in seq_ids:
+            seq = self.m.seqs[(family or {}).get(seq_id, seq_id)]
+            n = len(self.tokens.get(seq_id) or seq.token_ids) + len(appended.get(seq_id, ()))
+            if seq.status is not SeqStatus.WAITING and n - seq.num_computed < 1:
+                if n + 1 > seq.token_limit:
+                    continue  # finished: nothing more to compute
+                appended.setdefault(seq_id, []).append(rnd.randrange(VOCAB))
+            k = rnd.choice([1, 1, 2, 3, 8, 100])
+            step.schedule_seq_ids.append(seq_id)
+            step.schedule_num_tokens.append(k)
+
+    @staticmethod
+    def _set_appended(step: StepInput, appended: dict[int, list[int]]) -> None:
+        ids, offs, toks = [], [0], []
+        for seq_id, tokens in appended.items():
+            ids.append(seq_id)
+            toks.extend(tokens)
+            offs.append(len(toks))
+        step.appended_seq_ids, step.appended_offsets, step.appended_tokens = ids, (offs if ids else []), toks
+
+    def _snapshot(self):
+        total, parts = self.m.accounting()
+        seqs = {sid: (list(s.token_ids), [b.block_id for b in s.blocks], list(s.swap_blocks), s.status,
+                      s.num_computed, s.num_cached_blocks, s.admitted, s.num_cached_tokens)
+                for sid, s in self.m.seqs.items()}
+        pools = {eid: (kv.pool.free_queue.block_ids(), [b.ref_cnt for b in kv.pool.blocks], sorted(kv.pool.cached),
+                       kv.swap.num_free) for eid, kv in self.m.executors.items()}
+        return total.as_dict(), [p.as_dict() for p in parts], seqs, pools, len(self.events), self.m.last_step_id
+
+    # ---- running a step -------------------------------------------------------------------
+
+    def _run(self, step: StepInput):
+        RULES_RUN[0] += 1
+        self.step_id += 1
+        step.step_id = self.step_id
+        before = {sid: (seq.status, seq.num_computed) for sid, seq in self.m.seqs.items()}
+        asked = dict(zip(step.schedule_seq_ids, step.schedule_num_tokens))
+        out = self.m.step(step)
+        self.last = (step, out)
+
+        # the gateway's model follows the step: forks, appends, frees, new sequences
+        for parent, children in step.forks:
+            for child in children:
+                self.tokens[child] = list(self.tokens[parent])
+                self.salt[child] = self.salt[parent]
+                self.limit[child] = self.limit[parent]
+        ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
+        for i, seq_id in enumerate(ids):
+            self.tokens[seq_id].extend(toks[offs[i]:offs[i + 1]])
+        for seq_id in list(step.free_seq_ids) + list(step.abort_seq_ids):
+            for d in (self.tokens, self.salt, self.limit):
+                del d[seq_id]
+            self.freed.append(seq_id)
+        rejected = {r.seq_id: r.status for r in out.rejected}
+        for new in step.new_seqs:
+            spec = self.specs[new.executor_id]
+            limit = spec.max_model_len or spec.num_blocks * spec.block_size
+            fits = len(new.prompt_token_ids) <= limit and new.max_total_tokens <= limit
+            never = math.ceil(max(len(new.prompt_token_ids), new.max_total_tokens) / spec.block_size) > spec.num_blocks
+            expect = None if fits and not never else ("INVALID_ARGUMENT" if not fits else "RESOURCE_EXHAUSTED")
+            assert rejected.get(new.seq_id) == expect, (new, rejected)
+            if expect is None:
+                self.tokens[new.seq_id] = list(new.prompt_token_ids)
+                self.salt[new.seq_id] = new.cache_salt
+                self.limit[new.seq_id] = self._limit(spec, new.max_total_tokens)
+        assert set(self.tokens) == set(self.m.seqs)
+
+        # every scheduled sequence is planned, unscheduled or rejected — once
+        planned: dict[int, tuple] = {}
+        for plan in out.executor_plans:
+            kv = self.m.executors[plan.executor_id]
+            assert plan.incarnation == kv.spec.incarnation
+            for i, seq_id in enumerate(plan.seq_ids):
+                assert seq_id not in planned
+                planned[seq_id] = (plan, i)
+        unscheduled = list(out.unscheduled)
+        assert len(set(unscheduled)) == len(unscheduled)
+        accounted = set(planned) | set(unscheduled) | {s for s in rejected if s in asked}
+        assert accounted == set(asked) and not set(planned) & set(unscheduled)
+        for seq_id, mode in out.preempted:
+            status, _ = before.get(seq_id, (SeqStatus.RUNNING, 0))
+            assert status is SeqStatus.RUNNING or seq_id in {c for _, cs in step.forks for c in cs}
+            assert seq_id not in planned
+            if seq_id in self.m.seqs:
+                want = SeqStatus.SWAPPED if mode is PreemptionMode.SWAP else SeqStatus.WAITING
+                assert self.m.seqs[seq_id].status is want
+
+        # FCFS: after a waiting sequence is not admitted, no later waiting one of
+        # that executor is (nor can a preempted one come back in the same step)
+        waiting_at_start = {sid for sid, (status, _) in before.items() if status is SeqStatus.WAITING}
+        waiting_at_start |= {n.seq_id for n in step.new_seqs if n.seq_id not in rejected}
+        waiting_at_start |= {c for p, cs in step.forks for c in cs if p in waiting_at_start}
+        closed: set[str] = set()
+        for seq_id in step.schedule_seq_ids:
+            if seq_id not in waiting_at_start:
+                continue
+            eid = self.m.seqs[seq_id].executor_id
+            if eid in closed:
+                assert seq_id in unscheduled, f"waiting {seq_id} overtook an earlier one on {eid}"
+            elif seq_id in unscheduled:
+                closed.add(eid)
+
+        STATS["preempt_swap"] += sum(1 for _, mode in out.preempted if mode is PreemptionMode.SWAP)
+        STATS["preempt_recompute"] += sum(1 for _, mode in out.preempted if mode is PreemptionMode.RECOMPUTE)
+        STATS["rejected"] += len(out.rejected)
+        STATS["unscheduled"] += len(out.unscheduled)
+        for plan in out.executor_plans:
+            STATS["cow_copies"] += len(plan.ops.copy_src)
+            STATS["swap_ins"] += len(plan.ops.swap_in_src)
+            STATS["prefix_hits"] += sum(1 for n in plan.num_cached_tokens if n)
+
+        # the simulated executors run the plans
+        for plan in out.executor_plans:
+            self._execute(plan, asked)
+        return out
+
+    def _execute(self, plan, asked: dict[int, int]) -> None:
+        slots = self.slots[plan.executor_id]
+        bs = slots.bs
+        slots.apply_ops(plan.ops)
+        rows = []
+        pos = 0
+        for i, seq_id in enumerate(plan.seq_ids):
+            ctx, q = plan.context_lens[i], plan.query_lens[i]
+            table = list(plan.block_tables[plan.block_table_offsets[i]:plan.block_table_offsets[i + 1]])
+            row_slots = list(plan.slot_mapping[pos:pos + q])
+            pos += q
+            seq = self.m.seqs[seq_id]
+            assert 1 <= q <= asked[seq_id]
+            assert table == list(seq.block_ids) == [b.block_id for b in seq.blocks]
+            assert seq.num_computed == ctx + q and ctx + q <= len(self.tokens[seq_id])
+            assert row_slots == [table[p // bs] * bs + p % bs for p in range(ctx, ctx + q)]
+            assert 0 <= plan.num_cached_tokens[i] <= ctx
+            rows.append((seq_id, ctx, q, table, row_slots))
+        assert pos == len(plan.slot_mapping)
+        written = [s for r in rows for s in r[4]]
+        assert len(written) == len(set(written)), "two rows write one slot"
+        # the forward: every row writes its new tokens' KV, then reads its whole context
+        for seq_id, ctx, q, _, row_slots in rows:
+            for i, slot in enumerate(row_slots):
+                slots.dev[slot] = kv_of(self.salt[seq_id], self.tokens[seq_id], ctx + i)
+        for seq_id, ctx, q, table, _ in rows:
+            for p in range(ctx + q):
+                got = slots.dev.get(table[p // bs] * bs + p % bs)
+                assert got == kv_of(self.salt[seq_id], self.tokens[seq_id], p), (seq_id, p, got)
+
+    # ---- rules ----------------------------------------------------------------------------
+
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def new_requests(self, seed):
+        rnd = random.Random(seed)
+        step = StepInput()
+        appended: dict[int, list[int]] = {}
+        live = self._trim(rnd, step)
+        new_ids = [self._new(rnd, step) for _ in range(rnd.randint(1, 3))]
+        others = rnd.sample(live, min(len(live), rnd.randint(0, 3)))
+        for seq_id in new_ids:
+            step.schedule_seq_ids.append(seq_id)
+            step.schedule_num_tokens.append(rnd.choice([1, 3, 100, 100]))
+        self._schedule(rnd, step, others, appended)
+        order = list(zip(step.schedule_seq_ids, step.schedule_num_tokens))
+        rnd.shuffle(order)
+        step.schedule_seq_ids, step.schedule_num_tokens = [s for s, _ in order], [k for _, k in order]
+        self._set_appended(step, appended)
+        self._run(step)
+
+    @precondition(lambda self: self.m.seqs)
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def decode(self, seed):
+        """Append + schedule a random subset in random order (decodes, chunked
+        prefills, re-admissions, swap-ins)."""
+        rnd = random.Random(seed)
+        step = StepInput()
+        appended: dict[int, list[int]] = {}
+        live = self._live()
+        chosen = rnd.sample(live, rnd.randint(1, len(live)))
+        self._schedule(rnd, step, chosen, appended)
+        self._set_appended(step, appended)
+        self._run(step)
+
+    @precondition(lambda self: self._live(SeqStatus.RUNNING, SeqStatus.WAITING))
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def fork_and_diverge(self, seed):
+        """Fork a sequence; in the same step every member gets its own token."""
+        rnd = random.Random(seed)
+        parent = rnd.choice(self._live(SeqStatus.RUNNING, SeqStatus.WAITING))
+        children = [self._new_id() for _ in range(rnd.randint(1, 2))]
+        step = StepInput(forks=[(parent, children)])
+        family = {c: parent for c in children}
+        seq = self.m.seqs[parent]
+        appended: dict[int, list[int]] = {}
+        members = [parent, *children]
+        rnd.shuffle(members)
+        if seq.status is SeqStatus.RUNNING and len(self.tokens[parent]) + 1 <= seq.token_limit:
+            tokens = rnd.sample(range(VOCAB), len(members))
+            for member, tok in zip(members, tokens):
+                appended[member] = [tok]
+        if rnd.random() < 0.6:
+            # some members may be scheduled later; others (swapped ones too) interleave
+            others = [s for s in self._live() if s != parent]
+            chosen = [*rnd.sample(members, rnd.randint(1, len(members))),
+                      *rnd.sample(others, min(len(others), rnd.randint(0, 3)))]
+            rnd.shuffle(chosen)
+            self._schedule(rnd, step, chosen, appended, family)
+        self._set_appended(step, appended)
+        self._run(step)
+
+    def _sharing_writers(self) -> list[int]:
+        """Running sequences whose next write lands in a block others hold too."""
+        out = []
+        for sid, seq in self.m.seqs.items():
+            if seq.status is SeqStatus.RUNNING:
+                i = seq.num_computed // self.specs[seq.executor_id].block_size
+                if i < len(seq.blocks) and seq.blocks[i].ref_cnt > 1:
+                    out.append(sid)
+        return sorted(out)
+
+    @precondition(lambda self: self.m.seqs and self._sharing_writers())
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def copy_then_preempt(self, seed):
+        """Copy-on-writes first, then sequences that grow (and may preempt a copy
+        source's other holders), then swap-ins, in one step: a copy source must
+        hold its KV until the copies ran."""
+        rnd = random.Random(seed)
+        writers = self._sharing_writers()
+        rest = [s for s in self._live(SeqStatus.RUNNING) if s not in writers]
+        swapped = sorted(self._live(SeqStatus.SWAPPED), key=lambda s: self.m.seqs[s].priority)
+        chosen = [*rnd.sample(writers, rnd.randint(1, len(writers))),
+                  *rnd.sample(rest, min(len(rest), rnd.randint(0, 2))), *swapped]
+        step = StepInput()
+        appended: dict[int, list[int]] = {}
+        self._schedule(rnd, step, chosen, appended)
+        self._set_appended(step, appended)
+        self._run(step)
+
+    @precondition(lambda self: self.m.seqs)
+    @rule(seed=st.integers(0, 2**32 - 1), abort=st.booleans())
+    def finish(self, seed, abort):
+        rnd = random.Random(seed)
+        live = self._live()
+        gone = rnd.sample(live, min(len(live), rnd.randint(1, 2)))
+        step = StepInput(abort_seq_ids=gone) if abort else StepInput(free_seq_ids=gone)
+        rest = [s for s in live if s not in gone]
+        appended: dict[int, list[int]] = {}
+        self._schedule(rnd, step, rnd.sample(rest, min(len(rest), rnd.randint(0, 2))), appended)
+        self._set_appended(step, appended)
+        self._run(step)
+
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def flood(self, seed):
+        """Many distinct prompts at once: eviction, preemption, rejections."""
+        rnd = random.Random(seed)
+        step = StepInput()
+        self._trim(rnd, step, keep=4)
+        for _ in range(rnd.randint(3, 6)):
+            seq_id = self._new(rnd, step, distinct=True)
+            step.schedule_seq_ids.append(seq_id)
+            step.schedule_num_tokens.append(100)
+        self._run(step)
+
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def reregister(self, seed):
+        """An executor restarts (one time in five; else a decode step, so that
+        sequences live long enough to be preempted and swapped back)."""
+        rnd = random.Random(seed)
+        if rnd.random() >= 0.2:
+            if self.m.seqs:
+                self.decode(seed)
+            return
+        RULES_RUN[0] += 1
+        eid = rnd.choice(EXECUTORS)
+        old = self.specs[eid]
+        spec = ExecutorSpec(eid, num_blocks=max(2, old.num_blocks + rnd.choice([-1, 0, 1])),
+                            block_size=old.block_size, num_swap_blocks=rnd.randint(0, 6), model_id="m",
+                            dtype="float32", incarnation=old.incarnation + 1, pool_generation=1,
+                            max_model_len=old.max_model_len, vocab_size=VOCAB)
+        dropped = [s for s, seq in self.m.seqs.items() if seq.executor_id == eid]
+        self._register(spec)
+        STATS["reregistrations"] += 1
+        for seq_id in dropped:
+            for d in (self.tokens, self.salt, self.limit):
+                del d[seq_id]
+            self.freed.append(seq_id)
+        assert not any(seq.executor_id == eid for seq in self.m.seqs.values())
+        assert self.m.executors[eid].pool.cached == {}
+
+    @rule(seed=st.integers(0, 2**32 - 1), case=st.integers(0, 11))
+    def bad_step(self, seed, case):
+        """A step with one malformed part next to valid ones changes nothing."""
+        RULES_RUN[0] += 1
+        rnd = random.Random(seed)
+        step = StepInput(step_id=self.step_id + 1)
+        live = self._live()
+        appended: dict[int, list[int]] = {}
+        self._new(rnd, step)
+        if live:
+            step.free_seq_ids = [rnd.choice(live)]
+        rest = [s for s in live if s not in step.free_seq_ids]
+        self._schedule(rnd, step, rnd.sample(rest, min(len(rest), 2)), appended)
+        swapped = self._live(SeqStatus.SWAPPED)
+        done = [s for s in self._live(SeqStatus.RUNNING)
+                if s not in appended and self.m.seqs[s].num_computed == len(self.tokens[s])]
+        if case == 0:
+            step.free_seq_ids = [*step.free_seq_ids, 10**9]
+        elif case == 1 and self.freed:
+            step.abort_seq_ids = [rnd.choice(self.freed)]
+        elif case == 2:
+            step.new_seqs.append(NewSeq(self._new_id(), "e0", [1, -1]))
+        elif case == 3:
+            step.new_seqs.append(NewSeq(self._new_id(), "e1", [1, VOCAB]))
+        elif case == 4:
+            step.schedule_seq_ids.append(step.new_seqs[0].seq_id)
+            step.schedule_num_tokens.append(rnd.choice([0, -3]))
+        elif case == 5:
+            step.schedule_seq_ids.append(step.new_seqs[0].seq_id)
+            step.schedule_seq_ids.append(step.new_seqs[0].seq_id)
+            step.schedule_num_tokens.extend([1, 1])
+        elif case == 6:
+            step.schedule_num_tokens.append(1)  # one more count than ids
+        elif case == 7 and swapped:
+            step.forks = [(rnd.choice(swapped), [self._new_id()])]
+        elif case == 8 and rest:
+            step.new_seqs.append(NewSeq(rnd.choice(rest), "e0", [1]))
+        elif case == 9 and rest:
+            victim = rnd.choice(rest)
+            appended[victim] = appended.get(victim, []) + [1] * (self.limit[victim] + 1)
+        elif case == 10 and done:
+            step.schedule_seq_ids.append(rnd.choice(done))
+            step.schedule_num_tokens.append(1)
+        elif case == 11 and rest:
+            victim = rnd.choice(rest)
+            appended[victim] = appended.get(victim, []) + [VOCAB]
+        else:
+            appended[10**9] = [1]
+        self._set_appended(step, appended)
+        before = self._snapshot()
+        with pytest.raises(KvpagerError):
+            self.m.step(step)
+        assert self._snapshot() == before
+        STATS["bad_steps"] += 1
+
+    @precondition(lambda self: self.last is not None)
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def retry_last_step(self, seed):
+        """The last step again (a client retry): the same plan, nothing applied
+        twice. Then a decode step."""
+        step, out = self.last
+        before = self._snapshot()
+        assert self.m.step(step) is out
+        assert self._snapshot() == before
+        STATS["retries"] += 1
+        if self.m.seqs:
+            self.decode(seed)
+        else:
+            RULES_RUN[0] += 1
+
+    # ---- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def sound(self):
+        if self.m is None:
+            return
+        assert self.m.check_invariants() == []
+        for sid, seq in self.m.seqs.items():
+            assert seq.token_ids == self.tokens[sid]
+        self._check_kv_intact()
+        self._check_index_mirror()
+        self._check_accounting()
+
+    def _check_kv_intact(self) -> None:
+        """Every live sequence's computed KV is still where its table says."""
+        for sid, seq in self.m.seqs.items():
+            slots = self.slots[seq.executor_id]
+            bs = slots.bs
+            if seq.status is SeqStatus.RUNNING:
+                where, store = [b.block_id for b in seq.blocks], slots.dev
+            elif seq.status is SeqStatus.SWAPPED:
+                where, store = seq.swap_blocks, slots.cpu
+            else:
+                assert seq.num_computed == 0 and not seq.blocks and not seq.swap_blocks
+                continue
+            for p in range(seq.num_computed):
+                got = store.get(where[p // bs] * bs + p % bs)
+                assert got == kv_of(self.salt[sid], self.tokens[sid], p), (sid, seq.status, p, got)
+
+    def _check_index_mirror(self) -> None:
+        for event in self.events.drain():
+            index = self.index.setdefault(event.executor_id, {})
+            if isinstance(event, BlockStored):
+                assert event.block_hash not in index
+                index[event.block_hash] = event.block_id
+            elif isinstance(event, BlockRemoved):
+                STATS["evictions"] += 1
+                assert index.pop(event.block_hash) == event.block_id
+            else:
+                assert isinstance(event, AllCleared)
+                index.clear()
+        for eid, kv in self.m.executors.items():
+            assert self.index.get(eid, {}) == {h: b.block_id for h, b in kv.pool.cached.items()}
+
+    def _check_accounting(self) -> None:
+        total, parts = self.m.accounting()
+        for part in parts:
+            kv = self.m.executors[part.executor_id]
+            bs = kv.block_size
+            running = sum(1 for s in kv.seq_ids if self.m.seqs[s].status is SeqStatus.RUNNING)
+            assert part.used_blocks + part.free_blocks == part.total_blocks == kv.spec.num_blocks
+            assert part.physical_blocks == part.used_blocks  # every used block is in some table
+            assert part.sharing_saved_blocks == part.logical_blocks - part.physical_blocks >= 0
+            assert part.allocated_slots == part.used_blocks * bs
+            # internal waste: at most one partial block per running sequence
+            assert 0 <= part.allocated_slots - part.live_tokens <= (bs - 1) * running
+            assert part.num_sequences == running
+            max_len = kv.spec.max_model_len or kv.spec.num_blocks * bs
+            assert part.contiguous_equivalent_blocks == running * -(-max_len // bs)
+            assert 0 <= part.prefix_hit_tokens <= part.prefix_query_tokens
+            assert part.swap_free_blocks + sum(len(self.m.seqs[s].swap_blocks) for s in kv.seq_ids) \
+                == part.swap_total_blocks
+        assert total.used_blocks == sum(p.used_blocks for p in parts)
+
+
+def test_memory_manager_state_machine():
+    start = RULES_RUN[0]
+    stats_before = dict(STATS)
+    run_state_machine_as_test(MemoryMachine, settings=settings(
+        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    ran = RULES_RUN[0] - start
+    seen = {k: v - stats_before[k] for k, v in STATS.items()}
+    print(f"\nstateful: {ran} rules over {EXAMPLES} examples; {seen}")
+    assert ran >= EXAMPLES * 100, "fewer random operations than promised (100 per example)"
+    if EXAMPLES >= 20:  # a degenerate machine that stopped exercising something fails here
+        assert all(seen.values()), seen
