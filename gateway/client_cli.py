@@ -232,9 +232,9 @@ async def run_demo(address: str, console, *, timeout_s: float = 300.0) -> list[l
         t = Table(title=f"streaming {len(DEMO_REQUESTS)} requests in parallel (shared system prompt)",
                   expand=True)
         t.add_column("req", no_wrap=True)
-        t.add_column("prompt (after the system prompt)", ratio=1)
-        t.add_column("completion", ratio=2)
-        t.add_column("finish / tokens (cached prompt)", no_wrap=True)
+        t.add_column("prompt (after it)", ratio=1)
+        t.add_column("completion", ratio=3)
+        t.add_column("finish / tokens\n(cached/prompt)", no_wrap=True)
         for (r, i), c in sorted(rows.items()):
             u = c.usage
             end = (f"{c.finish_reason} / {u.get('completion_tokens', 0)} "
