@@ -187,6 +187,9 @@ class MemoryManager:
                                       f"outside the vocabulary ({vocab})")
             if new.max_total_tokens < 0:
                 raise InvalidArgument(f"new sequence {new.seq_id}: max_total_tokens must be >= 0")
+            if new.max_total_tokens and new.max_total_tokens < len(new.prompt_token_ids):
+                raise InvalidArgument(f"new sequence {new.seq_id}: max_total_tokens {new.max_total_tokens} is "
+                                      f"shorter than its prompt ({len(new.prompt_token_ids)} tokens)")
         sids, nums = step.schedule_seq_ids, step.schedule_num_tokens
         if len(sids) != len(nums):
             raise InvalidArgument("schedule: seq_ids and num_tokens differ in length")

@@ -143,6 +143,8 @@ async def test_every_bad_input_gets_its_status_and_leaks_nothing(memory):
         (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(9, [1, -2, 3])]))),
         (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(9, [1, 100])]))),
         (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(9, [])]))),
+        (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(
+            step_id=3, new_sequences=[new_seq(9, [1, 2, 3], max_total_tokens=2)]))),
         (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, appended=appended([5], [-1]), **schedule([5], [1])))),
         (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, schedule_seq_ids=b"\x01\x02\x03",
                                                               schedule_num_tokens=pack_i32([1])))),
