@@ -139,8 +139,9 @@ class MemoryMachine(RuleBasedStateMachine):
     def _new(self, rnd: random.Random, step: StepInput, distinct: bool = False) -> int:
         seq_id = self._new_id()
         eid = rnd.choice(EXECUTORS)
-        max_total = rnd.choice([0, 0, 0, rnd.randint(1, 24)])
-        step.new_seqs.append(NewSeq(seq_id, eid, self._prompt(rnd, distinct), priority=rnd.randint(0, 3),
+        prompt = self._prompt(rnd, distinct)
+        max_total = rnd.choice([0, 0, 0, rnd.randint(len(prompt), 24 + len(prompt))])
+        step.new_seqs.append(NewSeq(seq_id, eid, prompt, priority=rnd.randint(0, 3),
                                     cache_salt=rnd.choice(["", "", "", "t1"]), max_total_tokens=max_total))
         return seq_id
 
