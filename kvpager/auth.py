@@ -71,6 +71,9 @@ def _rejecting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: s
         await context.abort(code, details)
         yield  # pragma: no cover - makes this an async generator
 
+    # kvpager.server answers a malformed request INVALID_ARGUMENT, except to a
+    # call this handler rejects (auth first).
+    abort_unary.kvpager_rejects = abort_stream.kvpager_rejects = True
     kwargs = dict(
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,

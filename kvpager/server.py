@@ -32,7 +32,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvpager.auth import TokenAuth
-from kvpager.errors import KvpagerError
+from kvpager.errors import InvalidArgument, KvpagerError
 from kvpager.telemetry import RPC_IN_FLIGHT, RPC_LATENCY, RPC_REQUESTS, MetricsServer, get_logger
 
 __all__ = ["ErrorMappingInterceptor", "ServiceRuntime", "TlsConfig", "TokenAuth", "server_options"]
@@ -79,6 +79,51 @@ class TlsConfig:
         )
 
 
+class _Malformed:
+    """Stands in for a request whose bytes did not parse, so the handler
+    wrapper can answer INVALID_ARGUMENT (grpc itself would answer UNKNOWN)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable | None) -> Callable | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, RecursionError, ...: all malformed input
+            return _Malformed(type(exc).__name__)
+
+    return deserialize
+
+
+def _check_parsed(request, behavior: Callable) -> None:
+    # An auth rejection still wins over "malformed": unauthenticated callers
+    # learn nothing about the method.
+    if isinstance(request, _Malformed) and not getattr(behavior, "kvpager_rejects", False):
+        raise InvalidArgument(f"malformed request: the message does not parse ({request.error})")
+
+
+def _checked(request, behavior: Callable, streamed: bool):
+    """The request (or, for client streaming, an iterator over requests) with
+    unparsable messages turned into INVALID_ARGUMENT."""
+    if not streamed:
+        _check_parsed(request, behavior)
+        return request
+
+    async def each():
+        async for item in request:
+            _check_parsed(item, behavior)
+            yield item
+
+    return each()
+
+
 _HANDLER_KINDS = (
     ("unary_unary", grpc.unary_unary_rpc_method_handler),
     ("unary_stream", grpc.unary_stream_rpc_method_handler),
@@ -95,6 +140,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
       trailing ``retry-after-s`` when ``err.retry_after_s`` is set;
     * any other exception -> INTERNAL with a generic message (logged with its
       traceback here, never sent);
+    * a request whose bytes do not parse -> INVALID_ARGUMENT (not grpc's
+      UNKNOWN), unless authentication rejects the call first;
     * ``x-request-id`` is taken from the call or generated, bound into structlog
       contextvars for the call, and sent back as initial metadata (so handlers
       must not send initial metadata themselves).
@@ -118,18 +165,18 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             if behavior is not None:
                 wrap = self._wrap_stream if kind.endswith("_stream") else self._wrap_unary
                 return make(
-                    wrap(behavior, method, request_id),
-                    request_deserializer=handler.request_deserializer,
+                    wrap(behavior, method, request_id, kind.startswith("stream_")),
+                    request_deserializer=_tolerant(handler.request_deserializer),
                     response_serializer=handler.response_serializer,
                 )
         return handler
 
-    def _wrap_unary(self, behavior: Callable, method: str, request_id: str):
+    def _wrap_unary(self, behavior: Callable, method: str, request_id: str, streamed: bool):
         async def unary(request, context):
             with _Call(self.service, method, request_id) as call:
                 await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
                 try:
-                    result = behavior(request, context)
+                    result = behavior(_checked(request, behavior, streamed), context)
                     if inspect.isawaitable(result):
                         result = await result
                 except BaseException as exc:  # noqa: BLE001 - classified, then re-raised or aborted
@@ -139,12 +186,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
         return unary
 
-    def _wrap_stream(self, behavior: Callable, method: str, request_id: str):
+    def _wrap_stream(self, behavior: Callable, method: str, request_id: str, streamed: bool):
         async def stream(request, context):
             with _Call(self.service, method, request_id) as call:
                 await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
                 try:
-                    result = behavior(request, context)
+                    result = behavior(_checked(request, behavior, streamed), context)
                     if hasattr(result, "__aiter__"):
                         async for response in result:
                             yield response
