@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from executor_service.config import BACKENDS, DTYPES, ExecutorConfig
 
@@ -28,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--grace-s", type=float, default=5.0)
     p.add_argument("--log-level", default="INFO")
+    from kvpager.security import add_security_arguments
+
+    add_security_arguments(p, server=True, client=True, admin_token=True)
 
 
 def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
@@ -36,7 +40,10 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         from executor_service.demo_model import ensure_demo_model
 
         model = str(ensure_demo_model())
+    from kvpager.security import security_from_args
+
     extra = {"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib is not None else {}
+    security = security_from_args(args)
     return ExecutorConfig(
         model=model,
         model_id=args.model_id,
@@ -55,6 +62,9 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         grace_s=args.grace_s,
+        tls=security.server_tls(),
+        client_tls=security.client_tls(),
+        admin_token=security.admin_token,
         **extra,
     )
 
@@ -71,7 +81,11 @@ def main(args: argparse.Namespace) -> int:
     from kvpager.telemetry import configure_logging
 
     configure_logging("executor", level=args.log_level)
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # inconsistent flags (e.g. a TLS cert without its key)
+        print(f"kvpager executor: {exc}", file=sys.stderr)
+        return 2
 
     async def serve() -> int:
         from executor_service.service import start_executor_server

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpager.channel import ClientTls
+    from kvpager.server import TlsConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("auto", "torch", "triton")
@@ -36,6 +41,10 @@ class ExecutorConfig:
     max_model_len: int | None = None        # default: the model's max_position_embeddings
     grace_s: float = 5.0                    # graceful-stop window
     register_backoff_max_s: float = 5.0     # registration retry ceiling
+    tls: TlsConfig | None = None            # serve TLS (mTLS with require_client_auth); None = insecure
+    client_tls: ClientTls | None = None     # TLS to the memory service; None = insecure
+    # Between services: required on Execute/GetInfo/ConfirmPool and sent to the memory service.
+    admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

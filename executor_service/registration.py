@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvpager.channel import make_channel
+from kvpager.channel import ClientTls, make_channel
 from kvpager.telemetry import get_logger
 from kvpager.v1 import memory_pb2, memory_pb2_grpc
 
@@ -33,6 +33,8 @@ class MemoryRegistration:
         on_registered: called after every successful registration.
         backoff_max_s: ceiling of the retry delay.
         rpc_timeout_s: deadline of each call.
+        tls: TLS to the memory service (None = insecure).
+        token: the admin token the memory service requires (None = none).
     """
 
     def __init__(
@@ -43,12 +45,16 @@ class MemoryRegistration:
         on_registered: Callable[[], None] | None = None,
         backoff_max_s: float = 5.0,
         rpc_timeout_s: float = 5.0,
+        tls: ClientTls | None = None,
+        token: str | None = None,
     ) -> None:
         self.memory_address = memory_address
         self.pool_info = pool_info
         self.on_registered = on_registered
         self.backoff_max_s = backoff_max_s
         self.rpc_timeout_s = rpc_timeout_s
+        self._tls = tls
+        self._token = token
         self.lease_s: float | None = None
         self.num_registrations = 0
         self.registered = asyncio.Event()
@@ -56,7 +62,7 @@ class MemoryRegistration:
         self._task: asyncio.Task | None = None
 
     def start(self) -> asyncio.Task:
-        self._channel = make_channel(self.memory_address)
+        self._channel = make_channel(self.memory_address, tls=self._tls, token=self._token)
         self._stub = memory_pb2_grpc.MemoryServiceStub(self._channel)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="memory-registration")
         return self._task

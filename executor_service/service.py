@@ -81,6 +81,8 @@ class ExecutorServer:
                 self.pool_info,
                 on_registered=lambda: self.runtime.set_serving(True),
                 backoff_max_s=self.config.register_backoff_max_s,
+                tls=self.config.client_tls,
+                token=self.config.admin_token,
             )
             self.registration.start()
             await self.registration.registered.wait()
@@ -123,12 +125,16 @@ async def start_executor_server(
     """Bind and start the gRPC server, then load the model (unless an
     ``executor`` is passed) and register with the memory service if
     configured. Returns once ready when ``wait_ready`` (the default)."""
+    from kvpager.security import token_auth
+
     runtime = ServiceRuntime(
         "executor",
         host=config.host,
         port=config.port,
         metrics_port=config.metrics_port,
         grace_s=config.grace_s,
+        tls=config.tls,
+        auth=token_auth(config.admin_token),
     )
     servicer = ExecutorServicer()
     runtime.add(executor_pb2_grpc.add_ExecutorServiceServicer_to_server, servicer, SERVICE_NAME)

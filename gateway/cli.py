@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,8 +22,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--load-weight-tokens", type=float, default=16.0,
                    help="routing: one queued sequence costs this many prefix tokens")
     p.add_argument("--redis-url", default=None, help="score prefixes from the Redis mirror")
+    p.add_argument("--max-prompt-tokens", type=int, default=0,
+                   help="longest prompt accepted, in tokens (default 0: the context limit - 1)")
+    p.add_argument("--max-message-bytes", type=int, default=16 * 2**20,
+                   help="largest request or response message (larger: RESOURCE_EXHAUSTED)")
     p.add_argument("--grace-s", type=float, default=5.0)
     p.add_argument("--log-level", default="INFO")
+    from kvpager.security import add_security_arguments
+
+    add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True)
     p.set_defaults(func=run)
 
 
@@ -30,11 +38,18 @@ def config_from_args(args: argparse.Namespace):
     from gateway.engine import EngineConfig
     from gateway.service import GatewayConfig
 
+    from kvpager.security import security_from_args
+
+    security = security_from_args(args)
     return GatewayConfig(model=args.model, memory_address=args.memory_address, host=args.host, port=args.port,
                          metrics_port=args.metrics_port, grace_s=args.grace_s, redis_url=args.redis_url,
+                         max_message_bytes=args.max_message_bytes, tls=security.server_tls(),
+                         client_tls=security.client_tls(), auth_token=security.auth_token,
+                         admin_token=security.admin_token,
                          engine=EngineConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                                              max_waiting=args.max_waiting, max_n=args.max_n, policy=args.policy,
-                                             load_weight_tokens=args.load_weight_tokens))
+                                             load_weight_tokens=args.load_weight_tokens,
+                                             max_prompt_tokens=args.max_prompt_tokens))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,9 +57,14 @@ def run(args: argparse.Namespace) -> int:
     from gateway.service import GatewayServer
 
     configure_logging("gateway", args.log_level)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # inconsistent flags (e.g. a TLS cert without its key)
+        print(f"kvpager gateway: {exc}", file=sys.stderr)
+        return 2
 
     async def main() -> None:
-        server = GatewayServer(config_from_args(args))
+        server = GatewayServer(config)
         await server.start()
         print(f"gateway listening on {server.address}", flush=True)
         await server.serve_until_signal()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -137,8 +138,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-salt", default="", help="isolates this tenant's prefix cache")
     p.add_argument("--skip-special-tokens", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion at the end")
-    p.add_argument("--token", default=None, help="bearer token (gateway started with auth)")
+    p.add_argument("--token", default=None,
+                   help="bearer token (gateway started with auth; default: $KVPAGER_AUTH_TOKEN)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="deadline of the whole call")
+    from kvpager.security import add_client_tls_arguments
+
+    add_client_tls_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -164,7 +169,15 @@ def run(args: argparse.Namespace) -> int:
     from kvpager.channel import make_channel
     from kvpager.v1 import gateway_pb2_grpc
 
+    from kvpager.security import AUTH_TOKEN_ENV, security_from_args
+
     single = args.n <= 1 and args.beam_width <= 1
+    try:
+        tls = security_from_args(args).client_tls()
+    except ValueError as exc:
+        print(f"kvpager generate: {exc}", file=sys.stderr)
+        return 2
+    token = args.token or os.environ.get(AUTH_TOKEN_ENV) or None
 
     def on_chunk(resp, c: Completion) -> None:
         if args.json:
@@ -179,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
             print(_usage_line(c), file=sys.stderr, flush=True)
 
     async def main() -> list[Completion]:
-        async with make_channel(args.address, token=args.token) as channel:
+        async with make_channel(args.address, tls=tls, token=token) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             return await stream_generate(stub, request_from_args(args), timeout_s=args.timeout_s,
                                          on_chunk=on_chunk)
@@ -212,7 +225,8 @@ DEMO_REQUESTS = (  # (user text, sampling) — every prompt starts with SYSTEM_P
 )
 
 
-async def run_demo(address: str, console, *, timeout_s: float = 300.0) -> list[list[Completion]]:
+async def run_demo(address: str, console, *, timeout_s: float = 300.0, tls=None,
+                   token: str | None = None) -> list[list[Completion]]:
     """Streams DEMO_REQUESTS in parallel, showing every completion grow live.
 
     They share a system prompt longer than a block, so the later ones hit the
@@ -243,7 +257,7 @@ async def run_demo(address: str, console, *, timeout_s: float = 300.0) -> list[l
             t.add_row(f"{r}.{i}", DEMO_REQUESTS[r][0], c.text, end)
         return t
 
-    async with make_channel(address) as channel:
+    async with make_channel(address, tls=tls, token=token) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         with Live(table(), console=console, refresh_per_second=12) as live:
             def watcher(r: int):

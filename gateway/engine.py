@@ -45,11 +45,15 @@ class EngineConfig:
     step_timeout_s: float = 120.0
     executor_refresh_s: float = 2.0
     load_weight_tokens: float = 16.0  # routing: one queued sequence costs this many prefix tokens
+    max_prompt_tokens: int = 0       # longest prompt accepted; 0 = max_model_len - 1
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, memory: MemoryClient, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, memory: MemoryClient, tokenizer, *,
+                 executor_tls=None, executor_token: str | None = None) -> None:
         self.config = config
+        self._executor_tls = executor_tls      # ClientTls for Execute channels (None = insecure)
+        self._executor_token = executor_token  # the admin token executors require
         self.memory = memory
         self.tokenizer = tokenizer
         self.executors: dict[str, ExecutorClient] = {}
@@ -122,7 +126,7 @@ class Engine:
         for executor_id, pool in listed.items():
             if executor_id in self.executors or not pool.address:
                 continue
-            ex = ExecutorClient(pool)
+            ex = ExecutorClient(pool, tls=self._executor_tls, token=self._executor_token)
             try:
                 info = await ex.load_info()
             except KvpagerError as exc:
@@ -136,7 +140,8 @@ class Engine:
     def _set_limits(self, info: executor_pb2.ExecutorInfo) -> None:
         alive = [e.info for e in self.executors.values() if e.alive and e.info is not None]
         max_len = min(i.max_model_len for i in alive)
-        self.limits = Limits(max_model_len=max_len, vocab_size=info.vocab_size, max_n=self.config.max_n)
+        self.limits = Limits(max_model_len=max_len, vocab_size=info.vocab_size, max_n=self.config.max_n,
+                             max_prompt_tokens=self.config.max_prompt_tokens)
         self.eos_ids = frozenset(info.eos_token_ids)
         self.model_id = info.model_id
 

@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-from kvpager.server import ServiceRuntime
+from kvpager.channel import ClientTls
+from kvpager.security import token_auth
+from kvpager.server import ServiceRuntime, TlsConfig
 from kvpager.telemetry import get_logger
 from kvpager.v1 import gateway_pb2_grpc
 from gateway.clients import MemoryClient
@@ -29,6 +31,10 @@ class GatewayConfig:
     grace_s: float = 5.0
     max_message_bytes: int = 16 * 2**20
     redis_url: str | None = None                # route by the Redis mirror instead of ScorePrefix RPCs
+    tls: TlsConfig | None = None                # serve TLS (mTLS with require_client_auth); None = insecure
+    client_tls: ClientTls | None = None         # TLS to the memory service and executors
+    auth_token: str | None = field(default=None, repr=False)   # required from clients (bearer)
+    admin_token: str | None = field(default=None, repr=False)  # sent to the memory service and executors
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -42,8 +48,9 @@ class GatewayServer:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
-        self.memory = MemoryClient(config.memory_address)
-        self.engine = Engine(config.engine, self.memory, self.tokenizer)
+        self.memory = MemoryClient(config.memory_address, tls=config.client_tls, token=config.admin_token)
+        self.engine = Engine(config.engine, self.memory, self.tokenizer, executor_tls=config.client_tls,
+                             executor_token=config.admin_token)
         reader = None
         if config.redis_url:
             from memory_service.mirror.reader import PrefixReader  # only with the mirror on
@@ -52,7 +59,8 @@ class GatewayServer:
         self.router = PrefixAwareRouter(self.engine, config.engine.load_weight_tokens, reader)
         self.runtime = ServiceRuntime("gateway", host=config.host, port=config.port,
                                       metrics_port=config.metrics_port, grace_s=config.grace_s,
-                                      max_message_bytes=config.max_message_bytes)
+                                      max_message_bytes=config.max_message_bytes, tls=config.tls,
+                                      auth=token_auth(config.auth_token))
         self.runtime.add(gateway_pb2_grpc.add_GatewayServicer_to_server,
                          GatewayServicer(self.engine, self.router, self.tokenizer), SERVICE_NAME)
         self._watch: asyncio.Task | None = None

@@ -24,6 +24,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpager.security import SecurityConfig
 
 ROLES = ("memory", "executor", "gateway")
 DEMO_NUM_BLOCKS = 256  # `kvpager up --demo` pool per executor unless sized
@@ -58,6 +62,7 @@ class StackConfig:
     grace_s: float = 10.0                 # per tier on stop, before SIGKILL
     python: str = sys.executable
     extra_args: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # role -> extra flags
+    security: SecurityConfig | None = None  # TLS flags go to every child, tokens through its environment
 
     def __post_init__(self) -> None:
         if self.num_executors < 1:
@@ -158,7 +163,8 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
         return ([], None) if mbase is None else (["--metrics-port", str(mbase + offset)], mbase + offset)
 
     def kvpager(role: str, *args: str) -> list[str]:
-        return [py, "-m", "kvpager.cli", role, *args, "--log-level", config.log_level,
+        security = config.security.child_args(role) if config.security is not None else []
+        return [py, "-m", "kvpager.cli", role, *args, "--log-level", config.log_level, *security,
                 *config.extra_args.get(role, [])]
 
     redis = ["--redis-url", config.redis_url] if config.redis_url else []
@@ -244,6 +250,41 @@ class Stack:
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
+    @property
+    def client_tls(self):
+        """ClientTls for talking to the children (None when they serve plaintext)."""
+        security = self.config.security
+        return security.client_tls() if security is not None and security.tls_cert else None
+
+    def pid(self, name: str) -> int | None:
+        proc = self.procs.get(name)
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 30.0) -> int | None:
+        """Signals one child (default SIGKILL, a crash) and waits for it to exit."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def restart(self, name: str, *, wait_ready: bool = True) -> None:
+        """Starts a child again with the same command line (a new process: an
+        executor comes back with a new incarnation), after it has exited;
+        waits for its health to report SERVING unless told not to."""
+        import asyncio
+
+        child = next(c for c in self.children if c.name == name)
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running; kill it first")
+        self._spawn(child)
+        if wait_ready:
+            asyncio.run(self._wait_ready([child]))
+
     def start(self) -> Stack:
         import asyncio
 
@@ -280,6 +321,8 @@ class Stack:
 
     def _spawn(self, child: ChildSpec) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.config.security is not None:  # tokens by environment: argv is visible to everyone
+            env.update(self.config.security.child_env())
         with open(self.log_path(child.name), "ab") as log:
             self.procs[child.name] = subprocess.Popen(
                 child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -302,7 +345,8 @@ class Stack:
                     raise self._error(child, f"not listening on {child.address} after "
                                              f"{self.config.ready_timeout_s:g}s")
                 await asyncio.sleep(0.1)
-            task = asyncio.ensure_future(wait_for_serving(child.address, max(deadline - time.monotonic(), 0.1)))
+            task = asyncio.ensure_future(wait_for_serving(child.address, max(deadline - time.monotonic(), 0.1),
+                                                          tls=self.client_tls))
             try:
                 while not task.done():
                     if any(p.poll() is not None for p in self.procs.values()):
@@ -328,7 +372,9 @@ class Stack:
         gateway = next(c for c in self.children if c.role == "gateway")
         deadline = time.monotonic() + self.config.ready_timeout_s
         seen = 0
-        async with make_channel(gateway.address) as channel:
+        security = self.config.security
+        async with make_channel(gateway.address, tls=self.client_tls,
+                                token=security.auth_token if security else None) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             while True:
                 self._check_all_alive()
@@ -424,10 +470,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--demo", action="store_true",
                    help="run a short streaming demo against the stack, show block accounting, then stop "
                         f"(pool of {DEMO_NUM_BLOCKS} blocks unless sized)")
+    from kvpager.security import add_security_arguments
+
+    # Passed to every child: TLS files as flags, tokens through the environment.
+    add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True, open_read_only=True)
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> StackConfig:
+    from kvpager.security import security_from_args
+
+    security = security_from_args(args)
     num_blocks = args.num_blocks
     if args.demo and num_blocks is None and args.kv_cache_gib is None:
         num_blocks = DEMO_NUM_BLOCKS  # a small pool keeps the accounting readable
@@ -437,7 +490,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         metrics_base_port=args.metrics_base_port, block_size=args.block_size, num_blocks=num_blocks,
         kv_cache_gib=args.kv_cache_gib, swap_blocks=args.swap_blocks, redis_url=args.redis_url,
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend, log_dir=args.log_dir,
-        log_level=args.log_level, ready_timeout_s=args.ready_timeout_s, grace_s=args.grace_s)
+        log_level=args.log_level, ready_timeout_s=args.ready_timeout_s, grace_s=args.grace_s,
+        security=security if security.enabled or security.open_read_only else None)
 
 
 def _print_ready(stack: Stack, console) -> None:
@@ -447,8 +501,16 @@ def _print_ready(stack: Stack, console) -> None:
         metrics = f"  metrics :{child.metrics_port}" if child.metrics_port is not None else ""
         console.print(f"  {child.name:<12} {child.address}{metrics}")
     console.print("try:")
-    console.print(f"  kvpager generate \"Once upon a time\" --address {a.gateway} --max-tokens 32")
-    console.print(f"  kvpager blocks --address {a.memory}")
+    security = stack.config.security
+    tls = ""
+    if security is not None and security.tls_cert:
+        tls = f" --tls-ca {security.tls_ca}" if security.tls_ca else ""
+        if security.tls_require_client_auth:
+            tls += " --tls-client-cert CERT --tls-client-key KEY"
+    gen_token = " (with $KVPAGER_AUTH_TOKEN set)" if security is not None and security.auth_token else ""
+    blk_token = " (with $KVPAGER_ADMIN_TOKEN set)" if security is not None and security.admin_token else ""
+    console.print(f"  kvpager generate \"Once upon a time\" --address {a.gateway} --max-tokens 32{tls}{gen_token}")
+    console.print(f"  kvpager blocks --address {a.memory}{tls}{blk_token}")
 
 
 async def _demo(stack: Stack, console) -> None:
@@ -460,7 +522,10 @@ async def _demo(stack: Stack, console) -> None:
     from memory_service.blocks_cli import render_table, snapshot_dict
 
     a = stack.addresses
-    async with make_channel(a.memory) as channel:
+    security = stack.config.security
+    admin = security.admin_token if security is not None else None
+    auth = security.auth_token if security is not None else None
+    async with make_channel(a.memory, tls=stack.client_tls, token=admin) as channel:
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
         peak: dict = {}
 
@@ -473,7 +538,7 @@ async def _demo(stack: Stack, console) -> None:
 
         watcher = asyncio.ensure_future(watch())
         try:
-            await run_demo(a.gateway, console)
+            await run_demo(a.gateway, console, tls=stack.client_tls, token=auth)
         finally:
             watcher.cancel()
         final = snapshot_dict(await stub.GetAccounting(memory_pb2.AccountingRequest(), timeout=10))

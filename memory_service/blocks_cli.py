@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 # The JSON keys promised to operators, in display order.
@@ -21,6 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watch", action="store_true", help="keep updating (Ctrl-C to stop)")
     p.add_argument("--interval-ms", type=int, default=1000)
     p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument("--token", default=None,
+                   help="admin token of a memory service that requires one (default: $KVPAGER_ADMIN_TOKEN)")
+    from kvpager.security import add_client_tls_arguments
+
+    add_client_tls_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -67,19 +73,31 @@ def run(args: argparse.Namespace) -> int:
     from kvpager.channel import make_channel
     from kvpager.v1 import memory_pb2, memory_pb2_grpc
 
-    channel = make_channel(args.address, aio=False)
+    from kvpager.channel import auth_metadata
+    from kvpager.security import ADMIN_TOKEN_ENV, security_from_args
+
+    try:
+        tls = security_from_args(args).client_tls()
+    except ValueError as exc:
+        print(f"kvpager blocks: {exc}", file=sys.stderr)
+        return 2
+    token = args.token or os.environ.get(ADMIN_TOKEN_ENV) or None
+    # Per-call metadata: a blocking plaintext channel cannot carry call credentials.
+    metadata = auth_metadata(token) if token else None
+    channel = make_channel(args.address, tls=tls, aio=False)
     stub = memory_pb2_grpc.MemoryServiceStub(channel)
     console = Console()
     try:
         if not args.watch:
             data = snapshot_dict(stub.GetAccounting(memory_pb2.AccountingRequest(executor_id=args.executor),
-                                                    timeout=args.timeout_s))
+                                                    timeout=args.timeout_s, metadata=metadata))
             if args.json:
                 print(json.dumps(data))
             else:
                 console.print(render_table(data))
             return 0
-        stream = stub.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=args.interval_ms))
+        stream = stub.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=args.interval_ms),
+                                      metadata=metadata)
         if args.json:
             for snap in stream:
                 print(json.dumps(snapshot_dict(snap)), flush=True)
