@@ -103,6 +103,30 @@ class BlockPool:
                                      block.token_ids))
         return True
 
+    def restore_cached(self, block_hash: bytes, block_id: int, token_ids: Sequence[int],
+                       parent_hash: bytes | None = None, depth: int = 0) -> bool:
+        """Rebuild one cached refcount-0 block (restart recovery from the mirror).
+
+        The block enters the index and moves to the tail of the free queue:
+        evictable, but after plain free blocks and blocks restored earlier.
+        Emits BlockStored like cache_block. False, and no change, when the
+        block id is out of range, in use or already cached, the hash is
+        already indexed, or the tokens do not fill exactly one block.
+        """
+        if not 0 <= block_id < self.num_blocks or len(token_ids) != self.block_size or block_hash in self.cached:
+            return False
+        block = self.blocks[block_id]
+        if block.ref_cnt != 0 or block.block_hash is not None:
+            return False
+        self.free_queue.remove(block)
+        self.free_queue.append(block)
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self.cached[block_hash] = block
+        self.num_cached_free += 1
+        self.events.emit(BlockStored(self.executor_id, block_hash, parent_hash, block_id, depth, block.token_ids))
+        return True
+
     def clear(self) -> None:
         """Forget every cached hash (executor lost or reset)."""
         for block in self.blocks:

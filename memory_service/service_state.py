@@ -79,6 +79,13 @@ class MemoryState:
         if self.mirror is not None:
             self.mirror.on_heartbeat(kv.spec)
 
+    def heartbeat_age_s(self, executor_id: str, now: float | None = None) -> float | None:
+        """Seconds since the executor last registered or heartbeat (None: unknown)."""
+        seen = self._last_seen.get(executor_id)
+        if seen is None:
+            return None
+        return (time.monotonic() if now is None else now) - seen
+
     def reap_expired(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         limit = self.lease_s * self.expiry_leases
