@@ -1,0 +1,250 @@
+"""Server-side Lua: the writer's one call per flush, and the reader's one call per score.
+
+Both scripts derive block and record keys from the namespace prefix passed in
+ARGV; KEYS[1] (the namespace's executor set) pins the call to the
+namespace's slot, and every derived key shares its hash tag.
+
+APPLY — ARGV: prefix, lease_ms, retention_ms, gc_cap, num_sections, sections…
+  B executor_id incarnation batch num_ops ops…   a batch of KV events
+      ops: S hash parent depth tier block_id tokens | X hash | C
+      applied only when the record's incarnation is ours and batch == last_batch + 1;
+      replies ok | dup (batch <= last: a retry, no-op) | gap (resync needed) |
+      stale (another incarnation's record: rejected) | missing (no record: resync)
+  R executor_id incarnation batch num_fields field value…   (re)start an executor's record:
+      fences every earlier incarnation at once, retires the old reverse indexes
+      for cleanup, last_batch = batch; the caller follows with B batches
+  H executor_id incarnation address   renew the lease (ok | stale | missing)
+  D executor_id incarnation           drop the record ('' = whatever incarnation)
+  Then at most gc_cap members of retired reverse indexes are cleaned: an
+  owner field is deleted unless the executor's current index holds the hash.
+  Reply: one status per section, then the number of retired indexes left.
+
+SCORE — ARGV: prefix, max_blocks, num_wanted, wanted executor ids…, hashes…
+  For every live executor (lease not expired by Redis's clock, status live)
+  the number of consecutive leading hashes whose block record has its field
+  with the executor's current incarnation. Reply: id, hits, id, hits, …
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+_COMMON = r"""
+local P = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function exkey(e) return P .. 'ex:' .. e end
+local function xkey(e, inc) return P .. 'x:' .. e .. ':' .. inc end
+local function bkey(h) return P .. 'b:' .. h end
+"""
+
+APPLY = r"""
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+""" + _COMMON + r"""
+local lease_ms = tonumber(ARGV[2])
+local retention_ms = tonumber(ARGV[3])
+local gc_cap = tonumber(ARGV[4])
+local EXS = KEYS[1]
+local GCL, GCO = P .. 'gc', P .. 'gco'
+local function num(x) return string.format('%.0f', x) end
+
+local function unown(h, e)
+  local k = bkey(h)
+  redis.call('HDEL', k, 'e:' .. e)
+  if redis.call('HLEN', k) <= 3 then redis.call('DEL', k) end  -- only p, d, t left
+end
+
+local function retire(e, inc)  -- queue a reverse index for cleanup (O(1) now)
+  local x = xkey(e, inc)
+  if redis.call('EXISTS', x) == 1 then
+    local g = P .. 'gc:' .. redis.call('INCR', P .. 'gcseq')
+    redis.call('RENAME', x, g)
+    redis.call('PERSIST', g)
+    redis.call('RPUSH', GCL, g)
+    redis.call('HSET', GCO, g, e)
+  end
+end
+
+local out = {}
+local i = 6
+for _ = 1, tonumber(ARGV[5]) do
+  local kind, e = ARGV[i], ARGV[i + 1]
+  i = i + 2
+  if kind == 'B' then
+    local inc, b, nops = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+    i = i + 3
+    local rec = redis.call('HMGET', exkey(e), 'incarnation', 'last_batch')
+    local status
+    if not rec[1] then status = 'missing'
+    elseif rec[1] ~= inc then status = 'stale'
+    else
+      local last = tonumber(rec[2]) or 0
+      if b <= last then status = 'dup' elseif b > last + 1 then status = 'gap' else status = 'ok' end
+    end
+    local apply = status == 'ok'
+    local x, field = xkey(e, inc), 'e:' .. e
+    for _ = 1, nops do
+      local op = ARGV[i]
+      if op == 'S' then
+        if apply then
+          local h = ARGV[i + 1]
+          redis.call('HSET', bkey(h), 'p', ARGV[i + 2], 'd', ARGV[i + 3], 't', ARGV[i + 6],
+                     field, inc .. ':' .. ARGV[i + 4] .. ':' .. ARGV[i + 5])
+          redis.call('ZADD', x, ARGV[i + 3], h)
+        end
+        i = i + 7
+      elseif op == 'X' then
+        if apply then
+          unown(ARGV[i + 1], e)
+          redis.call('ZREM', x, ARGV[i + 1])
+        end
+        i = i + 2
+      else  -- 'C': everything this incarnation held is gone
+        if apply then retire(e, inc) end
+        i = i + 1
+      end
+    end
+    if apply then redis.call('HSET', exkey(e), 'last_batch', b) end
+    out[#out + 1] = status
+  elseif kind == 'R' then
+    local inc, b, nf = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+    i = i + 3
+    local k = exkey(e)
+    local old = redis.call('HGET', k, 'incarnation')
+    if old then retire(e, old) end
+    if old ~= inc then retire(e, inc) end
+    redis.call('DEL', k)
+    local f = {'incarnation', inc, 'last_batch', b, 'heartbeat_ms', num(now),
+               'lease_until_ms', num(now + lease_ms), 'status', 'live'}
+    for j = 0, nf - 1 do
+      f[#f + 1] = ARGV[i + 2 * j]
+      f[#f + 1] = ARGV[i + 2 * j + 1]
+    end
+    i = i + 2 * nf
+    redis.call('HSET', k, unpack(f))
+    redis.call('PEXPIRE', k, retention_ms)
+    redis.call('SADD', EXS, e)
+    out[#out + 1] = 'ok'
+  elseif kind == 'H' then
+    local inc, addr = ARGV[i], ARGV[i + 1]
+    i = i + 2
+    local k = exkey(e)
+    local cur = redis.call('HGET', k, 'incarnation')
+    if not cur then out[#out + 1] = 'missing'
+    elseif cur ~= inc then out[#out + 1] = 'stale'
+    else
+      redis.call('HSET', k, 'heartbeat_ms', num(now), 'lease_until_ms', num(now + lease_ms))
+      if addr ~= '' then redis.call('HSET', k, 'address', addr) end
+      redis.call('PEXPIRE', k, retention_ms)
+      redis.call('PEXPIRE', xkey(e, inc), retention_ms)
+      out[#out + 1] = 'ok'
+    end
+  elseif kind == 'D' then
+    local inc = ARGV[i]
+    i = i + 1
+    local k = exkey(e)
+    local cur = redis.call('HGET', k, 'incarnation')
+    if cur and (inc == '' or cur == inc) then
+      retire(e, cur)
+      redis.call('DEL', k)
+      redis.call('SREM', EXS, e)
+      out[#out + 1] = 'ok'
+    elseif cur then
+      out[#out + 1] = 'stale'
+    else
+      if inc ~= '' then retire(e, inc) end
+      redis.call('SREM', EXS, e)
+      out[#out + 1] = 'missing'
+    end
+  else
+    return redis.error_reply('kvpager mirror: unknown section ' .. tostring(kind))
+  end
+end
+
+local budget = gc_cap
+while budget > 0 do
+  local g = redis.call('LINDEX', GCL, 0)
+  if not g then break end
+  local e = redis.call('HGET', GCO, g)
+  local items = e and redis.call('ZPOPMIN', g, budget) or {}
+  if #items == 0 then
+    redis.call('LPOP', GCL)
+    redis.call('HDEL', GCO, g)
+    redis.call('DEL', g)
+  else
+    local cur = redis.call('HGET', exkey(e), 'incarnation')
+    local x = cur and xkey(e, cur)
+    for j = 1, #items, 2 do
+      local h = items[j]
+      if not (x and redis.call('ZSCORE', x, h)) then unown(h, e) end
+      budget = budget - 1
+    end
+  end
+end
+out[#out + 1] = redis.call('LLEN', GCL)
+return out
+"""
+
+SCORE = _COMMON + r"""
+local cap = tonumber(ARGV[2])
+local nwant = tonumber(ARGV[3])
+local ids
+if nwant > 0 then
+  ids = {}
+  for j = 1, nwant do ids[j] = ARGV[3 + j] end
+else
+  ids = redis.call('SMEMBERS', KEYS[1])
+end
+local first = 4 + nwant
+local live, prefixes, fields = {}, {}, {}
+for _, e in ipairs(ids) do
+  local r = redis.call('HMGET', exkey(e), 'incarnation', 'lease_until_ms', 'status')
+  if r[1] and r[2] and tonumber(r[2]) > now and r[3] == 'live' then
+    live[#live + 1] = e
+    prefixes[#prefixes + 1] = r[1] .. ':'
+    fields[#fields + 1] = 'e:' .. e
+  end
+end
+local hits, alive = {}, {}
+for j = 1, #live do hits[j] = 0; alive[j] = j end
+local last = math.min(#ARGV, first + cap - 1)
+local depth = 0
+for a = first, last do
+  if #alive == 0 then break end
+  depth = depth + 1
+  local f = {}
+  for k, j in ipairs(alive) do f[k] = fields[j] end
+  local vals = redis.call('HMGET', bkey(ARGV[a]), unpack(f))
+  local nxt = {}
+  for k, j in ipairs(alive) do
+    local v = vals[k]
+    if v and string.sub(v, 1, #prefixes[j]) == prefixes[j] then
+      hits[j] = depth
+      nxt[#nxt + 1] = j
+    end
+  end
+  alive = nxt
+end
+local out = {}
+for j = 1, #live do
+  out[#out + 1] = live[j]
+  out[#out + 1] = hits[j]
+end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """Lua source and its SHA-1 (what EVALSHA names)."""
+
+    source: str
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha1(self.source.encode()).hexdigest()
+
+
+APPLY_SCRIPT = Script(APPLY)
+SCORE_SCRIPT = Script(SCORE)

@@ -1,0 +1,523 @@
+"""The mirror writer: KV events -> Redis, off the hot path.
+
+The allocator appends events to the manager's EventQueue (no I/O). The
+memory service's hooks (`on_step`, `on_register`, …) only set flags and wake
+this task. Each wake-up, after a short coalescing window, the writer drains
+the queue and sends everything in ONE pipelined round trip: one APPLY script
+call per namespace (normally one), carrying a batch per executor.
+
+Writes are absolute values fenced by the executor's incarnation and a
+per-executor batch number (see scripts.py): a retried batch is a no-op, a gap
+or a missing record makes the writer resync that executor fully.
+
+The writer keeps a *shadow* of every pool's prefix index, built from the same
+events (hash -> encoded record), so a full resync is a copy of a dict, not a
+walk of the pools, and never needs Redis's old contents.
+
+Redis down or slow: the Step path never notices. The writer marks the mirror
+stale, keeps draining events into the shadow (so memory stays bounded), retries
+with exponential backoff, and resyncs every executor once Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+import time
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis.asyncio
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import NoScriptError, RedisError
+
+from kvpager.telemetry import get_logger
+from memory_service.events import BlockRemoved, BlockStored, EventQueue, KVEvent
+from memory_service.kv_manager import ExecutorSpec
+from memory_service.mirror import metrics as m
+from memory_service.mirror.client import make_async_client
+from memory_service.mirror.keys import NAMESPACES_KEY, Namespace, redact
+from memory_service.mirror.scripts import APPLY_SCRIPT
+from memory_service.service_state import MemoryState, MirrorStatus
+
+log = get_logger("memory_service.mirror")
+
+_LITTLE = sys.byteorder == "little"
+# Spec fields an executor record carries besides incarnation/lease/batch.
+SPEC_FIELDS = ("pool_generation", "address", "num_blocks", "block_size", "num_swap_blocks", "model_id", "dtype",
+               "max_model_len", "vocab_size", "adapter")
+
+
+def pack_tokens(token_ids: Iterable[int]) -> bytes:
+    """Token ids as little-endian uint32 (the hash's canonical bytes)."""
+    a = array("I", token_ids)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_tokens(data: bytes) -> tuple[int, ...]:
+    a = array("I")
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return tuple(a)
+
+
+def stored_op(ev: BlockStored) -> tuple:
+    """ARGV items of one S op (hash parent depth tier block_id tokens)."""
+    parent = ev.parent_hash.hex() if ev.parent_hash is not None else ""
+    return ("S", ev.block_hash.hex(), parent, ev.depth, ev.tier, ev.block_id, pack_tokens(ev.token_ids))
+
+
+def namespace_of(spec: ExecutorSpec) -> Namespace:
+    return Namespace(spec.model_id, spec.block_size)
+
+
+@dataclass(slots=True)
+class _Mirrored:
+    """What Redis holds (or is being sent) for one executor."""
+
+    ns: Namespace
+    incarnation: int
+    pool_generation: int
+
+
+class _Call:
+    """One APPLY call: the sections for one namespace."""
+
+    __slots__ = ("ns", "argv", "sections")
+
+    def __init__(self, ns: Namespace) -> None:
+        self.ns = ns
+        self.argv: list = []
+        self.sections: list[tuple[str, str, int, int]] = []  # kind, executor, incarnation, num_ops
+
+    def batch(self, executor_id: str, incarnation: int, batch: int, ops: list[tuple]) -> None:
+        self.argv += ("B", executor_id, str(incarnation), batch, len(ops))
+        self.argv += itertools.chain.from_iterable(ops)
+        self.sections.append(("B", executor_id, incarnation, len(ops)))
+
+    def reset(self, spec: ExecutorSpec, batch: int) -> None:
+        self.argv += ("R", spec.executor_id, str(spec.incarnation), batch, len(SPEC_FIELDS))
+        for name in SPEC_FIELDS:
+            self.argv += (name, getattr(spec, name))
+        self.sections.append(("R", spec.executor_id, spec.incarnation, 0))
+
+    def renew(self, executor_id: str, incarnation: int, address: str) -> None:
+        self.argv += ("H", executor_id, str(incarnation), address)
+        self.sections.append(("H", executor_id, incarnation, 0))
+
+    def drop(self, executor_id: str, incarnation: int | None) -> None:
+        self.argv += ("D", executor_id, "" if incarnation is None else str(incarnation))
+        self.sections.append(("D", executor_id, incarnation or 0, 0))
+
+
+class MirrorWriter:
+    """Write-behind of every pool's prefix index to Redis.
+
+    Args:
+        state: the memory service state; the writer installs itself as
+            ``state.mirror``. Its manager's EventQueue must be enabled.
+        redis_url: redis://[user:pass@]host:port/db (or pass ``client``).
+        lease_s: how long an executor record stays live without renewal
+            (default: the memory service's own expiry, lease_s * expiry_leases).
+        window_s: coalescing window after a wake-up (<= 5 ms keeps the mirror fresh).
+        retention_s: TTL of records and reverse indexes (renewed with the lease),
+            so a namespace nobody writes any more does not live forever.
+        chunk_blocks: most ops per batch (resyncs are sent in such chunks).
+        gc_cap: most retired index entries cleaned per script call.
+    """
+
+    def __init__(self, state: MemoryState, redis_url: str | None = None, *,
+                 client: redis.asyncio.Redis | None = None, username: str | None = None,
+                 password: str | None = None, lease_s: float | None = None, window_s: float = 0.002,
+                 retention_s: float = 3600.0, chunk_blocks: int = 2000, gc_cap: int = 2000,
+                 socket_timeout_s: float = 2.0, backoff_cap_s: float = 2.0) -> None:
+        if client is None and redis_url is None:
+            raise ValueError("MirrorWriter needs redis_url or client")
+        events = state.manager.events
+        if not events.enabled:
+            raise ValueError("the manager's EventQueue is disabled: build it with EventQueue(enabled=True)")
+        self.state = state
+        self.events: EventQueue = events
+        self.url = redact(redis_url) if redis_url else "(client)"
+        self.client = client or make_async_client(redis_url, username=username, password=password,
+                                                  socket_timeout_s=socket_timeout_s)
+        self.lease_s = lease_s or state.lease_s * state.expiry_leases
+        self.window_s = window_s
+        self.retention_s = max(retention_s, self.lease_s * 2)
+        self.chunk_blocks = chunk_blocks
+        self.gc_cap = gc_cap
+        self._backoff = ExponentialBackoff(cap=backoff_cap_s, base=0.05)
+
+        self._shadow: dict[str, dict[bytes, tuple]] = {}     # executor -> hash -> S op
+        self._pending: dict[str, list[tuple]] = {}           # executor -> ops not yet sent
+        self._mirrored: dict[str, _Mirrored] = {}
+        self._resync: set[str] = set()
+        self._drops: dict[tuple[str, str], tuple[Namespace, int | None]] = {}
+        self._renew: set[str] = set()
+        self._batch: dict[str, int] = {}                     # last batch number given out
+        self._gc: dict[str, Namespace] = {}                  # namespaces with retired indexes left
+        self._announced: set[str] = set()
+        self._connected = False
+        self._busy = False
+        self._resyncing = False  # resync chunks in flight
+        self._failures = 0
+        self._next_attempt = 0.0
+        self._applied_upto = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.num_resyncs = 0
+        self.num_flushes = 0
+        state.mirror = self
+
+    # ---- hooks: called by MemoryState on the request path; O(1), no I/O -------------
+
+    def on_step(self) -> None:
+        self._wake.set()
+
+    def on_register(self, spec: ExecutorSpec, replaced: bool) -> None:
+        eid = spec.executor_id
+        ns = namespace_of(spec)
+        cur = self._mirrored.get(eid)
+        if cur is not None and cur.ns != ns:  # same id, another model or block size
+            self._drops[(cur.ns.tag, eid)] = (cur.ns, cur.incarnation)
+            del self._mirrored[eid]
+            cur = None
+        if (cur is not None and not replaced and cur.incarnation == spec.incarnation
+                and cur.pool_generation == spec.pool_generation):
+            self._renew.add(eid)  # the same pool again: refresh lease and address
+        else:
+            self._resync.add(eid)
+        self._wake.set()
+
+    def on_deregister(self, executor_id: str) -> None:
+        self._resync.discard(executor_id)
+        self._pending.pop(executor_id, None)
+        cur = self._mirrored.pop(executor_id, None)
+        if cur is not None:
+            self._drops[(cur.ns.tag, executor_id)] = (cur.ns, cur.incarnation)
+        self._wake.set()
+
+    def on_heartbeat(self, spec: ExecutorSpec) -> None:
+        self._renew.add(spec.executor_id)
+        self._wake.set()
+
+    def forget(self, ns: Namespace, executor_id: str, incarnation: int | None) -> None:
+        """Drop a record this process never registered (restart recovery)."""
+        if executor_id not in self._mirrored:
+            self._drops[(ns.tag, executor_id)] = (ns, incarnation)
+            self._wake.set()
+
+    # ---- status -------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """The last Redis call succeeded."""
+        return self._connected
+
+    @property
+    def stale(self) -> bool:
+        """Redis is behind the in-process index in more than the usual lag."""
+        return not self._connected or bool(self._resync) or self._resyncing
+
+    @property
+    def lag_events(self) -> int:
+        return self.events.num_emitted - self._applied_upto
+
+    def status(self) -> MirrorStatus:
+        return MirrorStatus(enabled=True, stale=self.stale, lag_events=self.lag_events)
+
+    def _synced(self) -> bool:
+        return (self._connected and not self._busy and not self._resync and not self._pending
+                and not self._drops and not self._gc and not len(self.events)
+                and self._applied_upto == self.events.num_emitted)
+
+    async def sync(self, timeout_s: float = 10.0) -> None:
+        """Wait until Redis reflects every event emitted so far (tests, shutdown).
+
+        Raises:
+            TimeoutError: not in sync within timeout_s.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self._synced():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mirror not in sync after {timeout_s:g}s (stale={self.stale}, "
+                                   f"lag={self.lag_events})")
+            self._wake.set()
+            await asyncio.sleep(0.005)
+
+    def resync_all(self) -> None:
+        """Rebuild every executor's records from the shadow at the next flush."""
+        self._resync |= set(self.state.manager.executors)
+        self._wake.set()
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> MirrorWriter:
+        """Start the task; a first connection attempt is made now (failure is fine)."""
+        await self._connect()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvpager-mirror-writer")
+        return self
+
+    async def stop(self, flush_timeout_s: float = 2.0) -> None:
+        """Flush what is queued (bounded), then stop and close the connection."""
+        if self._task is not None and self._connected:
+            try:
+                await self.sync(flush_timeout_s)
+            except TimeoutError:
+                log.warning("mirror not flushed at stop", lag_events=self.lag_events)
+        await self.abort()
+
+    async def abort(self) -> None:
+        """Stop at once without flushing (what a crash looks like to Redis)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        await self.client.aclose()
+
+    async def _run(self) -> None:
+        renew_every = self.lease_s / 3
+        next_renew = time.monotonic() + renew_every
+        while True:
+            wait_until = next_renew if self._connected else min(next_renew, self._next_attempt)
+            if not self._wake.is_set():
+                try:
+                    await asyncio.wait_for(self._wake.wait(), max(0.0, wait_until - time.monotonic()))
+                except TimeoutError:
+                    pass
+            self._wake.clear()
+            if self.window_s:
+                await asyncio.sleep(self.window_s)
+            now = time.monotonic()
+            if now >= next_renew:
+                self._renew_live()
+                next_renew = now + renew_every
+            if not self._connected:
+                self._absorb()  # keep memory bounded; a full resync follows the reconnect
+                self._pending.clear()
+                if now < self._next_attempt or not await self._connect():
+                    continue
+            try:
+                await self._flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the writer must outlive any Redis failure
+                self._failed(exc)
+            m.LAG_EVENTS.set(self.lag_events)
+            m.STALE.set(1 if self.stale else 0)
+
+    async def _connect(self) -> bool:
+        try:
+            await self.client.ping()
+            await self.client.script_load(APPLY_SCRIPT.source)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc)
+            return False
+        if self._failures:
+            log.info("mirror reconnected; resyncing", url=self.url, failures=self._failures)
+        self._connected = True
+        self._failures = 0
+        self._announced.clear()
+        self._resync |= set(self.state.manager.executors)
+        return True
+
+    def _failed(self, exc: BaseException) -> None:
+        first = self._connected or self._failures == 0
+        self._connected = False
+        self._failures += 1
+        self._next_attempt = time.monotonic() + self._backoff.compute(self._failures)
+        self._pending.clear()
+        self._announced.clear()
+        self._resync |= set(self.state.manager.executors)
+        self._resyncing = False
+        m.ERRORS.labels("redis").inc()
+        m.STALE.set(1)
+        if first:
+            log.warning("mirror stale: redis failed; serving from memory", url=self.url, error=repr(exc),
+                        exc_info=not isinstance(exc, (RedisError, OSError)))
+
+    def _renew_live(self) -> None:
+        """Renew the lease of every executor whose heartbeats arrive (or that
+        needs none: no address)."""
+        limit = self.state.lease_s * self.state.expiry_leases
+        for eid, kv in self.state.manager.executors.items():
+            if eid not in self._mirrored:
+                continue
+            age = self.state.heartbeat_age_s(eid)
+            if not kv.spec.address or (age is not None and age <= limit):
+                self._renew.add(eid)
+
+    # ---- the flush --------------------------------------------------------------------
+
+    def _absorb(self) -> None:
+        """Drain the event queue into the shadow and the pending batches."""
+        events: list[KVEvent] = self.events.drain()
+        if not events:
+            return
+        shadow, pending, mirrored, resync = self._shadow, self._pending, self._mirrored, self._resync
+        for ev in events:
+            eid = ev.executor_id
+            kind = type(ev)
+            if kind is BlockStored:
+                op = stored_op(ev)
+                s = shadow.get(eid)
+                if s is None:
+                    s = shadow[eid] = {}
+                s[ev.block_hash] = op
+            elif kind is BlockRemoved:
+                op = ("X", ev.block_hash.hex())
+                s = shadow.get(eid)
+                if s is not None:
+                    s.pop(ev.block_hash, None)
+            else:  # AllCleared
+                op = ("C",)
+                shadow.pop(eid, None)
+            if eid in mirrored and eid not in resync:
+                ops = pending.get(eid)
+                if ops is None:
+                    pending[eid] = [op]
+                else:
+                    ops.append(op)
+
+    def _next_batch(self, executor_id: str, n: int = 1) -> int:
+        """Reserve n consecutive batch numbers; returns the first."""
+        first = self._batch.get(executor_id, 0) + 1
+        self._batch[executor_id] = first + n - 1
+        return first
+
+    def _chunks(self, ops: list[tuple]) -> list[list[tuple]]:
+        c = self.chunk_blocks
+        return [ops[i:i + c] for i in range(0, len(ops), c)] or [[]]
+
+    async def _flush(self) -> None:
+        self._busy = True
+        try:
+            await self._flush_once()
+        finally:
+            self._busy = False
+            self._resyncing = False
+
+    async def _flush_once(self) -> None:
+        self._absorb()
+        watermark = self.events.num_emitted
+        executors = self.state.manager.executors
+        calls: dict[str, _Call] = {}
+
+        def call(ns: Namespace) -> _Call:
+            c = calls.get(ns.tag)
+            if c is None:
+                c = calls[ns.tag] = _Call(ns)
+            return c
+
+        drops, self._drops = self._drops, {}
+        for (_, eid), (ns, inc) in drops.items():
+            call(ns).drop(eid, inc)
+
+        jobs = []
+        resync, self._resync = self._resync, set()
+        for eid in sorted(resync):
+            kv = executors.get(eid)
+            if kv is None:
+                continue
+            spec = kv.spec
+            ns = namespace_of(spec)
+            snapshot = list(self._shadow.get(eid, {}).values())
+            chunks = self._chunks(snapshot) if snapshot else []
+            call(ns).reset(spec, self._next_batch(eid))
+            if chunks:
+                jobs.append((ns, eid, spec.incarnation, self._next_batch(eid, len(chunks)), chunks))
+            self._mirrored[eid] = _Mirrored(ns, spec.incarnation, spec.pool_generation)
+            self._pending.pop(eid, None)
+            self.num_resyncs += 1
+            m.RESYNCS.inc()
+
+        pending, self._pending = self._pending, {}
+        for eid, ops in pending.items():
+            cur = self._mirrored[eid]
+            for chunk in self._chunks(ops):
+                call(cur.ns).batch(eid, cur.incarnation, self._next_batch(eid), chunk)
+
+        renew, self._renew = self._renew, set()
+        for eid in renew:
+            cur, kv = self._mirrored.get(eid), executors.get(eid)
+            if cur is not None and kv is not None and kv.spec.incarnation == cur.incarnation:
+                call(cur.ns).renew(eid, cur.incarnation, kv.spec.address)
+
+        for tag, ns in self._gc.items():  # an empty call still cleans retired indexes
+            call(ns)
+
+        try:
+            if calls:
+                await self._send(list(calls.values()))
+            self._resyncing = bool(jobs)
+            for ns, eid, inc, first, chunks in jobs:
+                for k, chunk in enumerate(chunks):
+                    c = _Call(ns)
+                    c.batch(eid, inc, first + k, chunk)
+                    if not await self._send([c]):
+                        break
+        except BaseException:
+            self._drops = {**drops, **self._drops}
+            self._renew |= renew
+            raise
+        self.num_flushes += 1
+        if not self._resync:
+            self._applied_upto = watermark
+        if self._gc:
+            self._wake.set()
+
+    async def _send(self, calls: list[_Call]) -> bool:
+        """One round trip: announce new namespaces, then one APPLY per call.
+        Returns False when a section asks for a resync."""
+        lease_ms, retention_ms = int(self.lease_s * 1000), int(self.retention_s * 1000)
+        for attempt in (0, 1):
+            pipe = self.client.pipeline(transaction=False)
+            fresh = [c.ns for c in calls if c.ns.tag not in self._announced]
+            for ns in fresh:
+                pipe.sadd(NAMESPACES_KEY, ns.tag)
+                pipe.hset(ns.meta, mapping={"model_id": ns.model_id, "block_size": ns.block_size,
+                                            "hash_version": ns.hash_version})
+            for c in calls:
+                pipe.evalsha(APPLY_SCRIPT.sha, 1, c.ns.executors, c.ns.prefix, lease_ms, retention_ms,
+                             self.gc_cap, len(c.sections), *c.argv)
+            try:
+                replies = await pipe.execute()
+                break
+            except NoScriptError:  # SCRIPT FLUSH or a fresh server on the same connection
+                if attempt:
+                    raise
+                await self.client.script_load(APPLY_SCRIPT.source)
+        self._announced.update(ns.tag for ns in fresh)
+        m.BATCHES.inc(len(calls))
+        ok = True
+        for c, reply in zip(calls, replies[2 * len(fresh):]):
+            *statuses, gc_left = reply
+            if int(gc_left):
+                self._gc[c.ns.tag] = c.ns
+            else:
+                self._gc.pop(c.ns.tag, None)
+            for (kind, eid, inc, nops), status in zip(c.sections, statuses):
+                status = status.decode() if isinstance(status, bytes) else status
+                if status == "ok":
+                    if kind == "B":
+                        m.EVENTS_APPLIED.inc(nops)
+                    continue
+                if status == "dup" or kind == "D":
+                    continue
+                # gap / missing / stale: Redis disagrees with us about this executor
+                m.ERRORS.labels(status).inc()
+                kv = self.state.manager.executors.get(eid)
+                if kv is not None and kv.spec.incarnation == inc:
+                    log.warning("mirror batch refused; resyncing executor", executor_id=eid, kind=kind,
+                                status=status)
+                    self._resync.add(eid)
+                    ok = False
+        return ok
