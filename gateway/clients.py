@@ -64,6 +64,7 @@ class ExecutorClient:
 
     def __init__(self, pool: memory_pb2.ExecutorPoolInfo, *, tls: ClientTls | None = None,
                  token: str | None = None, timeout_s: float = 120.0) -> None:
+        self.pool = pool  # as registered: model id, dtype, adapter name the prefix-hash namespace
         self.executor_id = pool.executor_id
         self.address = pool.address
         self.incarnation = pool.incarnation

@@ -51,12 +51,7 @@ class GatewayServer:
         self.memory = MemoryClient(config.memory_address, tls=config.client_tls, token=config.admin_token)
         self.engine = Engine(config.engine, self.memory, self.tokenizer, executor_tls=config.client_tls,
                              executor_token=config.admin_token)
-        reader = None
-        if config.redis_url:
-            from memory_service.mirror.reader import PrefixReader  # only with the mirror on
-
-            reader = PrefixReader.for_gateway(config.redis_url)
-        self.router = PrefixAwareRouter(self.engine, config.engine.load_weight_tokens, reader)
+        self.router = PrefixAwareRouter(self.engine, config.engine.load_weight_tokens, config.redis_url)
         self.runtime = ServiceRuntime("gateway", host=config.host, port=config.port,
                                       metrics_port=config.metrics_port, grace_s=config.grace_s,
                                       max_message_bytes=config.max_message_bytes, tls=config.tls,

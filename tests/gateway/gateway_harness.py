@@ -66,8 +66,9 @@ class Stack:
 
 
 async def start_stack(model: str, *, executors: int = 1, num_blocks: int = 96, block_size: int = 4,
-                      swap_blocks: int = 64, swap_min_tokens: int = 256, **engine_kw) -> Stack:
-    memory = await MemoryServer(MemoryConfig(port=0, swap_min_tokens=swap_min_tokens)).start()
+                      swap_blocks: int = 64, swap_min_tokens: int = 256, redis_url: str | None = None,
+                      **engine_kw) -> Stack:
+    memory = await MemoryServer(MemoryConfig(port=0, swap_min_tokens=swap_min_tokens, redis_url=redis_url)).start()
     exs = []
     for i in range(executors):
         exs.append(await start_executor_server(ExecutorConfig(
@@ -75,7 +76,7 @@ async def start_stack(model: str, *, executors: int = 1, num_blocks: int = 96, b
             block_size=block_size, swap_blocks=swap_blocks)))
     engine_kw.setdefault("executor_refresh_s", 0.2)
     gateway = await GatewayServer(GatewayConfig(model=model, memory_address=memory.address, port=0,
-                                                engine=EngineConfig(**engine_kw))).start()
+                                                redis_url=redis_url, engine=EngineConfig(**engine_kw))).start()
     await gateway.wait_ready(30)
     while len(gateway.engine.executors) < executors:
         await asyncio.sleep(0.05)

@@ -45,6 +45,34 @@ async def test_repeated_prefix_goes_to_the_executor_that_holds_it(model):
         await stack.stop()
 
 
+async def test_routing_by_the_redis_mirror(model):
+    from memory_service.mirror.redis_process import RedisProcess, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server not installed")
+    redis = RedisProcess().start()
+    stack = await start_stack(model, executors=2, num_blocks=64, block_size=4, redis_url=redis.url)
+    try:
+        shared = list(range(80, 112))  # 8 full blocks
+        await generate(stack.gw, shared + [1], max_tokens=2, ignore_eos=True)
+        router = stack.gateway.router
+        deadline = time.monotonic() + 10
+        while True:  # the mirror is write-behind: wait until it shows the prefix
+            hits = await router._hits(shared + [2], "")
+            if max(hits.values(), default=0) == len(shared):
+                break
+            assert time.monotonic() < deadline, hits
+            await asyncio.sleep(0.05)
+        assert router.prefix_reader is not None  # scored by Redis, not by the memory service
+        for i in range(3):
+            res = await generate(stack.gw, shared + [2 + i], max_tokens=2, ignore_eos=True)
+            assert res[0][3].cached_prompt_tokens == len(shared), f"request {i} missed the prefix"
+        await stack.wait_idle()
+    finally:
+        await stack.stop()
+        redis.close()
+
+
 async def test_executor_killed_mid_stream(model):
     stack = await start_stack(model, executors=1, num_blocks=64, block_size=4)
     proc, address = spawn_executor(model, stack.memory.address, "victim", num_blocks=64, block_size=4)
