@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,6 +15,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-min-tokens", type=int, default=256,
                    help="preempt by swap (not recompute) from this many computed tokens")
     p.add_argument("--grace-s", type=float, default=5.0, help="graceful stop period")
+    p.add_argument("--redis-url", default=os.environ.get("KVPAGER_REDIS_URL") or None,
+                   help="mirror the prefix index to this Redis, redis://[user:pass@]host:port/db "
+                        "(default: $KVPAGER_REDIS_URL; none = no mirror). Credentials may also come from "
+                        "$KVPAGER_REDIS_USERNAME / $KVPAGER_REDIS_PASSWORD")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -27,7 +32,8 @@ def config_from_args(args: argparse.Namespace):
     from memory_service.service import MemoryConfig
 
     return MemoryConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, lease_s=args.lease_s,
-                        swap_min_tokens=args.swap_min_tokens, grace_s=args.grace_s)
+                        swap_min_tokens=args.swap_min_tokens, grace_s=args.grace_s,
+                        redis_url=getattr(args, "redis_url", None))
 
 
 def run(args: argparse.Namespace) -> int:

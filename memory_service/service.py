@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvpager.server import ServiceRuntime
 from kvpager.telemetry import get_logger
 from kvpager.v1 import memory_pb2_grpc
+from memory_service.events import EventQueue
 from memory_service.manager import MemoryManager
 from memory_service.policy import ModePolicy
 from memory_service.service_state import MemoryState
@@ -28,6 +29,13 @@ class MemoryConfig:
     lease_s: float = 5.0
     swap_min_tokens: int = 256
     grace_s: float = 5.0
+    # The Redis mirror (docs/mirror.md): None keeps the embedded default, no Redis.
+    redis_url: str | None = None           # redis://[user:pass@]host:port/db
+    redis_username: str | None = None      # else from the URL or KVPAGER_REDIS_USERNAME
+    redis_password: str | None = None      # else from the URL or KVPAGER_REDIS_PASSWORD
+    mirror_lease_s: float | None = None    # executor record lease; default lease_s * 3
+    recovery_timeout_s: float = 30.0       # bound on restart recovery before serving cold
+    confirm_timeout_s: float = 1.0         # deadline of each ConfirmPool during recovery
 
 
 class MemoryServer:
@@ -35,8 +43,15 @@ class MemoryServer:
 
     def __init__(self, config: MemoryConfig) -> None:
         self.config = config
-        manager = MemoryManager(mode_policy=ModePolicy(swap_min_tokens=config.swap_min_tokens))
+        manager = MemoryManager(mode_policy=ModePolicy(swap_min_tokens=config.swap_min_tokens),
+                                events=EventQueue(enabled=bool(config.redis_url)))
         self.state = MemoryState(manager, lease_s=config.lease_s)
+        self.mirror = None
+        if config.redis_url:
+            from memory_service.mirror.writer import MirrorWriter
+
+            self.mirror = MirrorWriter(self.state, config.redis_url, username=config.redis_username,
+                                       password=config.redis_password, lease_s=config.mirror_lease_s)
         self.runtime = ServiceRuntime("memory", host=config.host, port=config.port,
                                       metrics_port=config.metrics_port, grace_s=config.grace_s)
         self.runtime.add(memory_pb2_grpc.add_MemoryServiceServicer_to_server, MemoryServicer(self.state),
@@ -48,10 +63,30 @@ class MemoryServer:
         return self.runtime.address
 
     async def start(self) -> MemoryServer:
+        """Serve; with a mirror, health stays NOT_SERVING until recovery is done."""
         await self.runtime.start()
+        if self.mirror is not None:
+            await self.mirror.start()
+            await self._recover()
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
         await self.runtime.set_serving(True)
         return self
+
+    async def _recover(self) -> None:
+        from memory_service.mirror.recovery import recover
+
+        if not self.mirror.connected:
+            log.warning("mirror unreachable at start: no recovery, starting cold", url=self.mirror.url)
+            return
+        try:
+            report = await asyncio.wait_for(
+                recover(self.state, self.mirror, confirm_timeout_s=self.config.confirm_timeout_s),
+                self.config.recovery_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a failed recovery starts cold, never fails the service
+            log.warning("mirror recovery failed: starting cold", error=repr(exc))
+            return
+        log.info("mirror recovery done", restored=report.restored, dropped=report.dropped,
+                 blocks=report.num_blocks)
 
     async def _reap(self) -> None:
         while True:
@@ -68,6 +103,8 @@ class MemoryServer:
                 await self._reaper
             self._reaper = None
         await self.runtime.stop(grace_s)
+        if self.mirror is not None:
+            await self.mirror.stop()
         self.state.close()
 
     async def serve_until_signal(self) -> None:

@@ -165,6 +165,7 @@ class MirrorWriter:
         self._connected = False
         self._busy = False
         self._resyncing = False  # resync chunks in flight
+        self._closing = False
         self._failures = 0
         self._next_attempt = 0.0
         self._applied_upto = 0
@@ -274,25 +275,29 @@ class MirrorWriter:
 
     async def abort(self) -> None:
         """Stop at once without flushing (what a crash looks like to Redis)."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        self._closing = True
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            log.error("mirror writer died", exc_info=task.exception())
         await self.client.aclose()
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         renew_every = self.lease_s / 3
         next_renew = time.monotonic() + renew_every
-        while True:
+        while not self._closing:
             wait_until = next_renew if self._connected else min(next_renew, self._next_attempt)
             if not self._wake.is_set():
+                # A timer sets the same event: no wait_for, whose 3.11 form can
+                # swallow a cancellation that races the wake-up.
+                timer = loop.call_later(max(0.0, wait_until - time.monotonic()), self._wake.set)
                 try:
-                    await asyncio.wait_for(self._wake.wait(), max(0.0, wait_until - time.monotonic()))
-                except TimeoutError:
-                    pass
+                    await self._wake.wait()
+                finally:
+                    timer.cancel()
             self._wake.clear()
             if self.window_s:
                 await asyncio.sleep(self.window_s)
@@ -433,7 +438,7 @@ class MirrorWriter:
             chunks = self._chunks(snapshot) if snapshot else []
             call(ns).reset(spec, self._next_batch(eid))
             if chunks:
-                jobs.append((ns, eid, spec.incarnation, self._next_batch(eid, len(chunks)), chunks))
+                jobs.append((ns, eid, spec.incarnation, self._next_batch(eid, len(chunks)), chunks, True))
             self._mirrored[eid] = _Mirrored(ns, spec.incarnation, spec.pool_generation)
             self._pending.pop(eid, None)
             self.num_resyncs += 1
@@ -442,8 +447,10 @@ class MirrorWriter:
         pending, self._pending = self._pending, {}
         for eid, ops in pending.items():
             cur = self._mirrored[eid]
-            for chunk in self._chunks(ops):
-                call(cur.ns).batch(eid, cur.incarnation, self._next_batch(eid), chunk)
+            first, *rest = self._chunks(ops)
+            call(cur.ns).batch(eid, cur.incarnation, self._next_batch(eid), first)
+            if rest:  # a burst: the rest follows in calls of its own, so no call blocks Redis for long
+                jobs.append((cur.ns, eid, cur.incarnation, self._next_batch(eid, len(rest)), rest, False))
 
         renew, self._renew = self._renew, set()
         for eid in renew:
@@ -457,8 +464,8 @@ class MirrorWriter:
         try:
             if calls:
                 await self._send(list(calls.values()))
-            self._resyncing = bool(jobs)
-            for ns, eid, inc, first, chunks in jobs:
+            self._resyncing = any(job[-1] for job in jobs)
+            for ns, eid, inc, first, chunks, _ in jobs:
                 for k, chunk in enumerate(chunks):
                     c = _Call(ns)
                     c.batch(eid, inc, first + k, chunk)

@@ -1,0 +1,165 @@
+"""Restart recovery: rebuild cached (refcount-0) blocks from the mirror.
+
+A memory service that starts with a Redis URL reads every executor record of
+every namespace (discovered through `kvp:namespaces`, never a key scan), asks
+each executor over gRPC whether it still holds that pool
+(`ConfirmPool(incarnation, pool_generation)`, short deadline), and only for a
+confirmed one registers the recorded spec and rebuilds its cached blocks
+(evictable, in the free queue, with token ids so every hit is verified) from
+its reverse index and block records. Anything unconfirmable (unreachable,
+another incarnation or generation, a malformed record) is dropped from the
+mirror and never served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvpager.channel import make_channel
+from kvpager.telemetry import get_logger
+from kvpager.v1 import executor_pb2, executor_pb2_grpc
+from memory_service.events import TIER_DEVICE
+from memory_service.kv_manager import ExecutorSpec
+from memory_service.mirror import metrics as m
+from memory_service.mirror.keys import NAMESPACES_KEY, OWNER_PREFIX, Namespace, prefix_of_tag
+from memory_service.mirror.writer import SPEC_FIELDS, MirrorWriter, unpack_tokens
+from memory_service.prefix_hash import HASH_VERSION
+from memory_service.service_state import MemoryState
+
+log = get_logger("memory_service.mirror")
+
+# (address, incarnation, pool_generation, timeout_s) -> confirmed
+ConfirmFn = Callable[[str, int, int, float], Awaitable[bool]]
+
+_INT_FIELDS = ("num_blocks", "block_size", "num_swap_blocks", "pool_generation", "max_model_len", "vocab_size")
+
+
+@dataclass
+class RecoveryReport:
+    restored: dict[str, int] = field(default_factory=dict)   # executor -> blocks rebuilt
+    dropped: dict[str, str] = field(default_factory=dict)    # executor -> why
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.restored.values())
+
+
+async def confirm_pool_grpc(address: str, incarnation: int, pool_generation: int, timeout_s: float) -> bool:
+    """ExecutorService.ConfirmPool at `address`; False on any failure."""
+    channel = make_channel(address)
+    try:
+        stub = executor_pb2_grpc.ExecutorServiceStub(channel)
+        reply = await stub.ConfirmPool(
+            executor_pb2.ConfirmPoolRequest(incarnation=incarnation, pool_generation=pool_generation),
+            timeout=timeout_s)
+        return (reply.confirmed and reply.incarnation == incarnation
+                and reply.pool_generation == pool_generation)
+    except grpc.aio.AioRpcError as exc:
+        log.info("ConfirmPool failed", address=address, code=exc.code().name)
+        return False
+    finally:
+        await channel.close()
+
+
+def spec_from_record(executor_id: str, rec: dict[str, str]) -> ExecutorSpec:
+    """The ExecutorSpec an executor record holds (ValueError when malformed)."""
+    spec = ExecutorSpec(executor_id=executor_id, num_blocks=0, block_size=0, incarnation=int(rec["incarnation"]))
+    for name in SPEC_FIELDS:
+        if name in rec:
+            setattr(spec, name, int(rec[name]) if name in _INT_FIELDS else rec[name])
+    if spec.num_blocks <= 0 or spec.block_size <= 0:
+        raise ValueError("record without a pool size")
+    return spec
+
+
+async def _records(client) -> list[tuple[Namespace, str, dict[str, str]]]:
+    out = []
+    for raw_tag in sorted(await client.smembers(NAMESPACES_KEY)):
+        tag = raw_tag.decode()
+        prefix = prefix_of_tag(tag)
+        meta = {k.decode(): v.decode() for k, v in (await client.hgetall(prefix + "meta")).items()}
+        if int(meta.get("hash_version", -1)) != HASH_VERSION or "model_id" not in meta:
+            continue  # another hash version's namespace: not ours to read or clean
+        ns = Namespace(meta["model_id"], int(meta["block_size"]))
+        if ns.tag != tag:
+            continue
+        ids = sorted(e.decode() for e in await client.smembers(ns.executors))
+        pipe = client.pipeline(transaction=False)
+        for eid in ids:
+            pipe.hgetall(ns.executor(eid))
+        for eid, rec in zip(ids, await pipe.execute()):
+            out.append((ns, eid, {k.decode(): v.decode(errors="replace") for k, v in rec.items()}))
+    return out
+
+
+async def _blocks(client, ns: Namespace, executor_id: str, incarnation: int, page: int) -> list[tuple]:
+    """(depth, hash, block_id, token_ids, parent) of every device block the
+    executor's reverse index lists with a matching owner field."""
+    members = await client.zrange(ns.index(executor_id, incarnation), 0, -1, withscores=True)
+    owner = OWNER_PREFIX + executor_id
+    want = f"{incarnation}:{TIER_DEVICE}:"
+    out = []
+    for i in range(0, len(members), page):
+        chunk = members[i:i + page]
+        pipe = client.pipeline(transaction=False)
+        for h, _ in chunk:
+            pipe.hmget(ns.block(h.decode()), "t", "p", owner)
+        for (h, depth), (tokens, parent, value) in zip(chunk, await pipe.execute()):
+            if not tokens or not value or not value.decode().startswith(want):
+                continue
+            block_id = int(value.decode()[len(want):])
+            out.append((int(depth), bytes.fromhex(h.decode()), block_id, unpack_tokens(tokens),
+                        bytes.fromhex(parent.decode()) if parent else None))
+    return out
+
+
+async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmFn = confirm_pool_grpc,
+                  confirm_timeout_s: float = 1.0, page: int = 5000) -> RecoveryReport:
+    """Rebuild confirmed executors' cached blocks into `state`; drop the rest
+    from the mirror. Redis errors propagate (the caller starts cold)."""
+    client = writer.client
+    report = RecoveryReport()
+    records = await _records(client)
+
+    async def check(ns: Namespace, eid: str, rec: dict[str, str]) -> tuple[ExecutorSpec | None, str]:
+        try:
+            spec = spec_from_record(eid, rec)
+        except (KeyError, ValueError) as exc:
+            return None, f"malformed record: {exc}"
+        if not spec.address:
+            return None, "no address to confirm with"
+        if not await confirm(spec.address, spec.incarnation, spec.pool_generation, confirm_timeout_s):
+            return None, "not confirmed by the executor"
+        return spec, ""
+
+    checks = await asyncio.gather(*(check(ns, eid, rec) for ns, eid, rec in records))
+    for (ns, eid, rec), (spec, why) in zip(records, checks):
+        if spec is not None:
+            entries = await _blocks(client, ns, eid, spec.incarnation, page)
+            # No await from here to the end of this branch: the pool is rebuilt atomically.
+            live = state.manager.executors.get(eid)
+            if live is not None and (live.spec.incarnation, live.spec.pool_generation) != (
+                    spec.incarnation, spec.pool_generation):
+                why = "re-registered with another pool during recovery"
+            else:
+                state.register_executor(spec)
+                pool = state.manager.executors[eid].pool
+                entries.sort(key=lambda e: -e[0])  # deepest first: evicted before their prefixes
+                n = sum(pool.restore_cached(h, block_id, tokens, parent, depth)
+                        for depth, h, block_id, tokens, parent in entries)
+                report.restored[eid] = n
+                m.RECOVERED.labels("restored").inc()
+                m.RECOVERED_BLOCKS.inc(n)
+                log.info("executor recovered from the mirror", executor_id=eid, blocks=n,
+                         incarnation=spec.incarnation)
+                continue
+        inc = rec.get("incarnation")
+        writer.forget(ns, eid, int(inc) if inc and inc.isdigit() else None)
+        report.dropped[eid] = why
+        m.RECOVERED.labels("dropped").inc()
+        log.info("executor dropped from the mirror", executor_id=eid, reason=why)
+    return report
