@@ -64,38 +64,62 @@ def _gather_context(
     # Table entries past a sequence's last block may be padding (e.g. -1);
     # clamp them to a valid id: those positions are zeroed below anyway.
     table = block_table[:, :n_blocks].to(torch.int64).clamp(0, cache.shape[0] - 1)
-    gathered = cache[table]  # [S, n_blocks, BS, KVH, D]
-    s = gathered.shape[0]
-    ctx = gathered.reshape(s, n_blocks * block_size, *cache.shape[2:])[:, :max_len]
-    # Slots past a sequence's length hold stale or uninitialised memory that
-    # may be NaN/inf; masking scores is not enough (0 * NaN = NaN in P @ V).
+    s, width = table.shape[0], n_blocks * block_size
+    # index_select copies whole contiguous blocks: several times faster on
+    # CPU than advanced indexing (cache[table]) for the same bytes.
+    gathered = cache.index_select(0, table.reshape(-1))  # [S * n_blocks, BS, KVH, D]
     if lengths is not None:
-        pad = torch.arange(max_len, device=cache.device)[None, :] >= lengths[:, None]  # [S, L]
-        seq_idx, pos_idx = pad.nonzero(as_tuple=True)
-        # In place on our fresh gather, touching only the padded tokens.
-        ctx[seq_idx, pos_idx] = 0
-    return ctx
+        # Slots past a sequence's length hold stale or uninitialised memory
+        # that may be NaN/inf; masking scores is not enough (0 * NaN = NaN in
+        # P @ V). Zero those token rows (index_fill_ on whole rows is ~5x
+        # cheaper than a broadcast masked_fill_).
+        pad = torch.arange(width, device=cache.device)[None, :] >= lengths[:, None]  # [S, width]
+        rows = pad.reshape(-1).nonzero().squeeze(1)
+        if rows.numel():
+            gathered.view(s * width, -1).index_fill_(0, rows, 0)
+    return gathered.view(s, width, *cache.shape[2:])[:, :max_len]
+
+
+def _length_groups(lens: torch.Tensor, max_groups: int = 4, ratio: float = 0.6) -> list[torch.Tensor]:
+    """Split sequences into at most ``max_groups`` groups of similar length so
+    that padding each group to its longest wastes little (a new group starts
+    when a length falls below ``ratio`` x the group's longest).
+
+    lens: [S] int64 on CPU -> index tensors into lens, longest group first.
+    """
+    order = torch.argsort(lens, descending=True)
+    sorted_lens = lens[order].tolist()
+    cuts, head = [0], sorted_lens[0]
+    for i, n in enumerate(sorted_lens):
+        if n < ratio * head and len(cuts) < max_groups:
+            cuts.append(i)
+            head = n
+    cuts.append(len(sorted_lens))
+    return [order[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+    is_causal: bool = False,
 ) -> torch.Tensor:
     """fp32 masked attention with GQA.
 
     q: [B, H, M, D]; k, v: [B, KVH, N, D]; mask: bool broadcastable to
-    [B, H, M, N] (True = attend) -> [B, H, M, D] fp32.
+    [B, H, M, N] (True = attend), or None with ``is_causal`` (M == N)
+    -> [B, H, M, D] fp32.
     """
     q, k, v = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
     if group == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal)
     try:
         # ~10x faster on CPU than materialising repeated K/V.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
+                                              enable_gqa=True)
     except TypeError:  # torch < 2.5 has no enable_gqa
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal)
 
 
 def paged_attention(
@@ -133,22 +157,27 @@ def paged_attention(
     # decodes up to the longest prefill's query length.
     decode_idx = torch.nonzero(q_lens == 1).flatten()
     if decode_idx.numel() > 0:
-        d_lens = lens[decode_idx]  # [Sd]
-        max_len = int(d_lens.max())
-        idx_dev = decode_idx.to(device)
-        d_lens_dev = d_lens.to(device)
-        k = _gather_context(k_cache, tables[idx_dev], max_len, d_lens_dev)  # [Sd, L, KVH, D]
-        v = _gather_context(v_cache, tables[idx_dev], max_len, d_lens_dev)
-        rows = qsl[:-1][decode_idx].to(device)  # token index of each decode
-        sd, kvh = k.shape[0], k.shape[2]
-        # A decode's query heads sharing a kv head all see the same keys with
-        # no causal mask, so the group becomes a short query block:
-        # q [Sd, KVH, G, D] against k [Sd, KVH, L, D] (the fastest CPU form).
-        qd = q[rows].reshape(sd, kvh, num_heads // kvh, head_dim)
-        # key position < seq_len (the decode token is the last position).
-        mask = torch.arange(max_len, device=device)[None, :] < d_lens_dev[:, None]
-        o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
-        out[rows] = o.reshape(sd, num_heads, head_dim).to(out.dtype)
+        kvh = k_cache.shape[2]
+        # Decodes of similar length share one padded call (padding every
+        # decode to the longest would gather and attend ~2x the context of a
+        # typical mixed batch).
+        for group in _length_groups(lens[decode_idx]):
+            seqs = decode_idx[group]  # [Sd] sequence indices
+            d_lens = lens[seqs]
+            max_len = int(d_lens.max())
+            seqs_dev, d_lens_dev = seqs.to(device), d_lens.to(device)
+            k = _gather_context(k_cache, tables[seqs_dev], max_len, d_lens_dev)  # [Sd, L, KVH, D]
+            v = _gather_context(v_cache, tables[seqs_dev], max_len, d_lens_dev)
+            rows = qsl[:-1][seqs].to(device)  # token index of each decode
+            sd = rows.numel()
+            # A decode's query heads sharing a kv head all see the same keys
+            # with no causal mask, so the group becomes a short query block:
+            # q [Sd, KVH, G, D] against k [Sd, KVH, L, D] (the fastest CPU form).
+            qd = q.index_select(0, rows).reshape(sd, kvh, num_heads // kvh, head_dim)
+            # key position < seq_len (the decode token is the last position).
+            mask = torch.arange(max_len, device=device)[None, :] < d_lens_dev[:, None]
+            o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
+            out.index_copy_(0, rows, o.reshape(sd, num_heads, head_dim).to(out.dtype))
 
     prefill_idx = torch.nonzero(q_lens > 1).flatten().tolist()
     for s in prefill_idx:
@@ -156,10 +185,13 @@ def paged_attention(
         n_q, n_kv = stop - start, int(lens[s])
         k = _gather_context(k_cache, tables[s : s + 1], n_kv)  # [1, L, KVH, D]
         v = _gather_context(v_cache, tables[s : s + 1], n_kv)
-        q_pos = torch.arange(n_kv - n_q, n_kv, device=device)  # [Q]
-        mask = torch.arange(n_kv, device=device)[None, :] <= q_pos[:, None]  # [Q, L]
         qs = q[start:stop].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), mask, scale)
+        if n_q == n_kv:  # no cached context: plain causal (the kernel skips masked blocks)
+            o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), None, scale, is_causal=True)
+        else:
+            q_pos = torch.arange(n_kv - n_q, n_kv, device=device)  # [Q]
+            mask = torch.arange(n_kv, device=device)[None, :] <= q_pos[:, None]  # [Q, L]
+            o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), mask, scale)
         out[start:stop] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
