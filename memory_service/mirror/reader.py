@@ -44,7 +44,7 @@ class _Scoring:
         hashes = hash_blocks(root, token_ids, self.block_size, limit=self.max_blocks)
         wanted = list(executor_ids)
         return [SCORE_SCRIPT.sha, 1, self.ns.executors, self.ns.prefix, self.max_blocks, len(wanted),
-                *wanted, *(h.hex() for h in hashes)]
+                *wanted, b"".join(hashes).hex()]
 
     @staticmethod
     def parse(reply: list) -> dict[str, int]:

@@ -14,19 +14,22 @@ mirror and never served.
 from __future__ import annotations
 
 import asyncio
+from binascii import unhexlify
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from redis.exceptions import NoScriptError
 
 from kvpager.channel import make_channel
 from kvpager.telemetry import get_logger
 from kvpager.v1 import executor_pb2, executor_pb2_grpc
-from memory_service.events import TIER_DEVICE
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.mirror import metrics as m
-from memory_service.mirror.keys import NAMESPACES_KEY, OWNER_PREFIX, Namespace, prefix_of_tag
-from memory_service.mirror.writer import SPEC_FIELDS, MirrorWriter, unpack_tokens
+from memory_service.mirror.batch import SPEC_FIELDS, unpack_tokens
+from memory_service.mirror.keys import NAMESPACES_KEY, Namespace, prefix_of_tag
+from memory_service.mirror.scripts import DUMP_SCRIPT
+from memory_service.mirror.writer import MirrorWriter
 from memory_service.prefix_hash import HASH_VERSION
 from memory_service.service_state import MemoryState
 
@@ -35,6 +38,7 @@ log = get_logger("memory_service.mirror")
 # (address, incarnation, pool_generation, timeout_s) -> confirmed
 ConfirmFn = Callable[[str, int, int, float], Awaitable[bool]]
 
+_NO_PARENT = b"-" * 64
 _INT_FIELDS = ("num_blocks", "block_size", "num_swap_blocks", "pool_generation", "max_model_len", "vocab_size")
 
 
@@ -98,27 +102,31 @@ async def _records(client) -> list[tuple[Namespace, str, dict[str, str]]]:
 
 async def _blocks(client, ns: Namespace, executor_id: str, incarnation: int, page: int) -> list[tuple]:
     """(depth, hash, block_id, token_ids, parent) of every device block the
-    executor's reverse index lists with a matching owner field."""
-    members = await client.zrange(ns.index(executor_id, incarnation), 0, -1, withscores=True)
-    owner = OWNER_PREFIX + executor_id
-    want = f"{incarnation}:{TIER_DEVICE}:"
+    executor's reverse index lists with its owner field: one DUMP call per page."""
     out = []
-    for i in range(0, len(members), page):
-        chunk = members[i:i + page]
-        pipe = client.pipeline(transaction=False)
-        for h, _ in chunk:
-            pipe.hmget(ns.block(h.decode()), "t", "p", owner)
-        for (h, depth), (tokens, parent, value) in zip(chunk, await pipe.execute()):
-            if not tokens or not value or not value.decode().startswith(want):
-                continue
-            block_id = int(value.decode()[len(want):])
-            out.append((int(depth), bytes.fromhex(h.decode()), block_id, unpack_tokens(tokens),
-                        bytes.fromhex(parent.decode()) if parent else None))
-    return out
+    start = 0
+    while True:
+        args = (1, ns.executors, ns.prefix, executor_id, str(incarnation), start, start + page - 1)
+        try:
+            seen, blob = await client.evalsha(DUMP_SCRIPT.sha, *args)
+        except NoScriptError:
+            await client.script_load(DUMP_SCRIPT.source)
+            seen, blob = await client.evalsha(DUMP_SCRIPT.sha, *args)
+        pos, n = 0, len(blob)
+        while pos < n:  # <hash 64><parent 64><depth 8><block_id 8><n 8><tokens n>
+            parent = blob[pos + 64:pos + 128]
+            size = int(blob[pos + 144:pos + 152], 16)
+            out.append((int(blob[pos + 128:pos + 136], 16), unhexlify(blob[pos:pos + 64]),
+                        int(blob[pos + 136:pos + 144], 16), unpack_tokens(blob[pos + 152:pos + 152 + size]),
+                        None if parent == _NO_PARENT else unhexlify(parent)))
+            pos += 152 + size
+        if int(seen) < page:
+            return out
+        start += page
 
 
 async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmFn = confirm_pool_grpc,
-                  confirm_timeout_s: float = 1.0, page: int = 5000) -> RecoveryReport:
+                  confirm_timeout_s: float = 1.0, page: int = 4096) -> RecoveryReport:
     """Rebuild confirmed executors' cached blocks into `state`; drop the rest
     from the mirror. Redis errors propagate (the caller starts cold)."""
     client = writer.client

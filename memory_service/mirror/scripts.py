@@ -5,8 +5,12 @@ ARGV; KEYS[1] (the namespace's executor set) pins the call to the
 namespace's slot, and every derived key shares its hash tag.
 
 APPLY — ARGV: prefix, lease_ms, retention_ms, gc_cap, num_sections, sections…
-  B executor_id incarnation batch num_ops ops…   a batch of KV events
-      ops: S hash parent depth tier block_id tokens | X hash | C
+  B executor_id incarnation batch num_ops blob   a batch of KV events, packed in one string:
+      S<hash><parent><depth><block_id><tier><n><tokens>  stored (F: the same without parent)
+      X<hash>                                            removed
+      C                                                  all cleared
+      hashes are 64 hex digits, depth/block_id/n 8 hex digits, tier one
+      letter (d device, c cpu), tokens n bytes (uint32 LE)
       applied only when the record's incarnation is ours and batch == last_batch + 1;
       replies ok | dup (batch <= last: a retry, no-op) | gap (resync needed) |
       stale (another incarnation's record: rejected) | missing (no record: resync)
@@ -19,7 +23,12 @@ APPLY — ARGV: prefix, lease_ms, retention_ms, gc_cap, num_sections, sections�
   owner field is deleted unless the executor's current index holds the hash.
   Reply: one status per section, then the number of retired indexes left.
 
-SCORE — ARGV: prefix, max_blocks, num_wanted, wanted executor ids…, hashes…
+DUMP — ARGV: prefix, executor_id, incarnation, start, stop (reverse-index ranks)
+  Restart recovery's page read: every listed block whose owner field is this
+  incarnation on the device tier. Reply: {entries looked at, blob} with blob
+  = (<hash><parent or 64 '-'><depth><block_id><n><tokens>)*, fields as above.
+
+SCORE — ARGV: prefix, max_blocks, num_wanted, wanted executor ids…, hashes (64 hex digits each, concatenated)
   For every live executor (lease not expired by Redis's clock, status live)
   the number of consecutive leading hashes whose block record has its field
   with the executor's current incarnation. Reply: id, hits, id, hits, …
@@ -48,6 +57,8 @@ local gc_cap = tonumber(ARGV[4])
 local EXS = KEYS[1]
 local GCL, GCO = P .. 'gc', P .. 'gco'
 local function num(x) return string.format('%.0f', x) end
+local sub = string.sub
+local TIERS = {d = 'device', c = 'cpu'}
 
 local function unown(h, e)
   local k = bkey(h)
@@ -72,8 +83,8 @@ for _ = 1, tonumber(ARGV[5]) do
   local kind, e = ARGV[i], ARGV[i + 1]
   i = i + 2
   if kind == 'B' then
-    local inc, b, nops = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-    i = i + 3
+    local inc, b, blob = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 3]
+    i = i + 4
     local rec = redis.call('HMGET', exkey(e), 'incarnation', 'last_batch')
     local status
     if not rec[1] then status = 'missing'
@@ -84,27 +95,49 @@ for _ = 1, tonumber(ARGV[5]) do
     end
     local apply = status == 'ok'
     local x, field = xkey(e, inc), 'e:' .. e
-    for _ = 1, nops do
-      local op = ARGV[i]
-      if op == 'S' then
-        if apply then
-          local h = ARGV[i + 1]
-          redis.call('HSET', bkey(h), 'p', ARGV[i + 2], 'd', ARGV[i + 3], 't', ARGV[i + 6],
-                     field, inc .. ':' .. ARGV[i + 4] .. ':' .. ARGV[i + 5])
-          redis.call('ZADD', x, ARGV[i + 3], h)
-        end
-        i = i + 7
-      elseif op == 'X' then
-        if apply then
-          unown(ARGV[i + 1], e)
-          redis.call('ZREM', x, ARGV[i + 1])
-        end
-        i = i + 2
-      else  -- 'C': everything this incarnation held is gone
-        if apply then retire(e, inc) end
-        i = i + 1
+    local pos, n = 1, (apply and #blob or 0)
+    local z = {}  -- ZADD arguments, sent in one call before any removal and at the end
+    local function zflush()
+      if #z > 0 then
+        redis.call('ZADD', x, unpack(z))
+        z = {}
       end
     end
+    while pos <= n do
+      local op = sub(blob, pos, pos)
+      if op == 'S' or op == 'F' then
+        local h = sub(blob, pos + 1, pos + 64)
+        pos = pos + 65
+        local parent = ''
+        if op == 'S' then
+          parent = sub(blob, pos, pos + 63)
+          pos = pos + 64
+        end
+        local depth = tonumber(sub(blob, pos, pos + 7), 16)
+        local bid = tonumber(sub(blob, pos + 8, pos + 15), 16)
+        local tier = TIERS[sub(blob, pos + 16, pos + 16)] or 'device'
+        local tlen = tonumber(sub(blob, pos + 17, pos + 24), 16)
+        local toks = sub(blob, pos + 25, pos + 24 + tlen)
+        pos = pos + 25 + tlen
+        redis.call('HSET', bkey(h), 'p', parent, 'd', depth, 't', toks, field, inc .. ':' .. tier .. ':' .. bid)
+        z[#z + 1] = depth
+        z[#z + 1] = h
+        if #z >= 4000 then zflush() end  -- unpack() has a stack limit
+      elseif op == 'X' then
+        zflush()
+        local h = sub(blob, pos + 1, pos + 64)
+        pos = pos + 65
+        unown(h, e)
+        redis.call('ZREM', x, h)
+      elseif op == 'C' then  -- everything this incarnation held is gone
+        zflush()
+        retire(e, inc)
+        pos = pos + 1
+      else
+        return redis.error_reply('kvpager mirror: bad op ' .. op .. ' at ' .. pos)
+      end
+    end
+    zflush()
     if apply then redis.call('HSET', exkey(e), 'last_batch', b) end
     out[#out + 1] = status
   elseif kind == 'R' then
@@ -196,7 +229,7 @@ if nwant > 0 then
 else
   ids = redis.call('SMEMBERS', KEYS[1])
 end
-local first = 4 + nwant
+local hashes = ARGV[4 + nwant]  -- concatenated 64-hex-digit hashes
 local live, prefixes, fields = {}, {}, {}
 for _, e in ipairs(ids) do
   local r = redis.call('HMGET', exkey(e), 'incarnation', 'lease_until_ms', 'status')
@@ -208,14 +241,13 @@ for _, e in ipairs(ids) do
 end
 local hits, alive = {}, {}
 for j = 1, #live do hits[j] = 0; alive[j] = j end
-local last = math.min(#ARGV, first + cap - 1)
 local depth = 0
-for a = first, last do
+for a = 1, math.min(math.floor(#hashes / 64), cap) do
   if #alive == 0 then break end
-  depth = depth + 1
+  depth = a
   local f = {}
   for k, j in ipairs(alive) do f[k] = fields[j] end
-  local vals = redis.call('HMGET', bkey(ARGV[a]), unpack(f))
+  local vals = redis.call('HMGET', bkey(string.sub(hashes, 64 * a - 63, 64 * a)), unpack(f))
   local nxt = {}
   for k, j in ipairs(alive) do
     local v = vals[k]
@@ -234,6 +266,26 @@ end
 return out
 """
 
+DUMP = _COMMON + r"""
+local e, inc = ARGV[2], ARGV[3]
+local field, want = 'e:' .. e, inc .. ':device:'
+local m = redis.call('ZRANGE', xkey(e, inc), ARGV[4], ARGV[5], 'WITHSCORES')
+local parts = {}
+local none = string.rep('-', 64)
+for j = 1, #m, 2 do
+  local h = m[j]
+  local r = redis.call('HMGET', bkey(h), 't', 'p', field)
+  local v = r[3]
+  if r[1] and v and string.sub(v, 1, #want) == want then
+    local p = r[2]
+    if not p or p == '' then p = none end
+    parts[#parts + 1] = h .. p .. string.format('%08x%08x%08x', tonumber(m[j + 1]),
+                                                tonumber(string.sub(v, #want + 1)), #r[1]) .. r[1]
+  end
+end
+return {#m / 2, table.concat(parts)}
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class Script:
@@ -248,3 +300,4 @@ class Script:
 
 APPLY_SCRIPT = Script(APPLY)
 SCORE_SCRIPT = Script(SCORE)
+DUMP_SCRIPT = Script(DUMP)

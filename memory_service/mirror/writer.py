@@ -22,11 +22,7 @@ with exponential backoff, and resyncs every executor once Redis answers again.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import sys
 import time
-from array import array
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis.asyncio
@@ -37,43 +33,13 @@ from kvpager.telemetry import get_logger
 from memory_service.events import BlockRemoved, BlockStored, EventQueue, KVEvent
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.mirror import metrics as m
+from memory_service.mirror.batch import CLEARED_OP, ScriptCall, namespace_of, removed_op, stored_op
 from memory_service.mirror.client import make_async_client
 from memory_service.mirror.keys import NAMESPACES_KEY, Namespace, redact
 from memory_service.mirror.scripts import APPLY_SCRIPT
 from memory_service.service_state import MemoryState, MirrorStatus
 
 log = get_logger("memory_service.mirror")
-
-_LITTLE = sys.byteorder == "little"
-# Spec fields an executor record carries besides incarnation/lease/batch.
-SPEC_FIELDS = ("pool_generation", "address", "num_blocks", "block_size", "num_swap_blocks", "model_id", "dtype",
-               "max_model_len", "vocab_size", "adapter")
-
-
-def pack_tokens(token_ids: Iterable[int]) -> bytes:
-    """Token ids as little-endian uint32 (the hash's canonical bytes)."""
-    a = array("I", token_ids)
-    if not _LITTLE:
-        a.byteswap()
-    return a.tobytes()
-
-
-def unpack_tokens(data: bytes) -> tuple[int, ...]:
-    a = array("I")
-    a.frombytes(data)
-    if not _LITTLE:
-        a.byteswap()
-    return tuple(a)
-
-
-def stored_op(ev: BlockStored) -> tuple:
-    """ARGV items of one S op (hash parent depth tier block_id tokens)."""
-    parent = ev.parent_hash.hex() if ev.parent_hash is not None else ""
-    return ("S", ev.block_hash.hex(), parent, ev.depth, ev.tier, ev.block_id, pack_tokens(ev.token_ids))
-
-
-def namespace_of(spec: ExecutorSpec) -> Namespace:
-    return Namespace(spec.model_id, spec.block_size)
 
 
 @dataclass(slots=True)
@@ -83,36 +49,6 @@ class _Mirrored:
     ns: Namespace
     incarnation: int
     pool_generation: int
-
-
-class _Call:
-    """One APPLY call: the sections for one namespace."""
-
-    __slots__ = ("ns", "argv", "sections")
-
-    def __init__(self, ns: Namespace) -> None:
-        self.ns = ns
-        self.argv: list = []
-        self.sections: list[tuple[str, str, int, int]] = []  # kind, executor, incarnation, num_ops
-
-    def batch(self, executor_id: str, incarnation: int, batch: int, ops: list[tuple]) -> None:
-        self.argv += ("B", executor_id, str(incarnation), batch, len(ops))
-        self.argv += itertools.chain.from_iterable(ops)
-        self.sections.append(("B", executor_id, incarnation, len(ops)))
-
-    def reset(self, spec: ExecutorSpec, batch: int) -> None:
-        self.argv += ("R", spec.executor_id, str(spec.incarnation), batch, len(SPEC_FIELDS))
-        for name in SPEC_FIELDS:
-            self.argv += (name, getattr(spec, name))
-        self.sections.append(("R", spec.executor_id, spec.incarnation, 0))
-
-    def renew(self, executor_id: str, incarnation: int, address: str) -> None:
-        self.argv += ("H", executor_id, str(incarnation), address)
-        self.sections.append(("H", executor_id, incarnation, 0))
-
-    def drop(self, executor_id: str, incarnation: int | None) -> None:
-        self.argv += ("D", executor_id, "" if incarnation is None else str(incarnation))
-        self.sections.append(("D", executor_id, incarnation or 0, 0))
 
 
 class MirrorWriter:
@@ -153,8 +89,8 @@ class MirrorWriter:
         self.gc_cap = gc_cap
         self._backoff = ExponentialBackoff(cap=backoff_cap_s, base=0.05)
 
-        self._shadow: dict[str, dict[bytes, tuple]] = {}     # executor -> hash -> S op
-        self._pending: dict[str, list[tuple]] = {}           # executor -> ops not yet sent
+        self._shadow: dict[str, dict[bytes, bytes]] = {}     # executor -> hash -> S op
+        self._pending: dict[str, list[bytes]] = {}           # executor -> ops not yet sent
         self._mirrored: dict[str, _Mirrored] = {}
         self._resync: set[str] = set()
         self._drops: dict[tuple[str, str], tuple[Namespace, int | None]] = {}
@@ -378,12 +314,12 @@ class MirrorWriter:
                     s = shadow[eid] = {}
                 s[ev.block_hash] = op
             elif kind is BlockRemoved:
-                op = ("X", ev.block_hash.hex())
+                op = removed_op(ev.block_hash)
                 s = shadow.get(eid)
                 if s is not None:
                     s.pop(ev.block_hash, None)
             else:  # AllCleared
-                op = ("C",)
+                op = CLEARED_OP
                 shadow.pop(eid, None)
             if eid in mirrored and eid not in resync:
                 ops = pending.get(eid)
@@ -398,7 +334,7 @@ class MirrorWriter:
         self._batch[executor_id] = first + n - 1
         return first
 
-    def _chunks(self, ops: list[tuple]) -> list[list[tuple]]:
+    def _chunks(self, ops: list[bytes]) -> list[list[bytes]]:
         c = self.chunk_blocks
         return [ops[i:i + c] for i in range(0, len(ops), c)] or [[]]
 
@@ -414,12 +350,12 @@ class MirrorWriter:
         self._absorb()
         watermark = self.events.num_emitted
         executors = self.state.manager.executors
-        calls: dict[str, _Call] = {}
+        calls: dict[str, ScriptCall] = {}
 
-        def call(ns: Namespace) -> _Call:
+        def call(ns: Namespace) -> ScriptCall:
             c = calls.get(ns.tag)
             if c is None:
-                c = calls[ns.tag] = _Call(ns)
+                c = calls[ns.tag] = ScriptCall(ns)
             return c
 
         drops, self._drops = self._drops, {}
@@ -467,7 +403,7 @@ class MirrorWriter:
             self._resyncing = any(job[-1] for job in jobs)
             for ns, eid, inc, first, chunks, _ in jobs:
                 for k, chunk in enumerate(chunks):
-                    c = _Call(ns)
+                    c = ScriptCall(ns)
                     c.batch(eid, inc, first + k, chunk)
                     if not await self._send([c]):
                         break
@@ -481,13 +417,15 @@ class MirrorWriter:
         if self._gc:
             self._wake.set()
 
-    async def _send(self, calls: list[_Call]) -> bool:
+    async def _send(self, calls: list[ScriptCall]) -> bool:
         """One round trip: announce new namespaces, then one APPLY per call.
         Returns False when a section asks for a resync."""
         lease_ms, retention_ms = int(self.lease_s * 1000), int(self.retention_s * 1000)
         for attempt in (0, 1):
             pipe = self.client.pipeline(transaction=False)
-            fresh = [c.ns for c in calls if c.ns.tag not in self._announced]
+            # A reset may follow a Redis that lost everything: announce its namespace again.
+            fresh = [c.ns for c in calls if c.ns.tag not in self._announced
+                     or any(sec[0] == "R" for sec in c.sections)]
             for ns in fresh:
                 pipe.sadd(NAMESPACES_KEY, ns.tag)
                 pipe.hset(ns.meta, mapping={"model_id": ns.model_id, "block_size": ns.block_size,

@@ -11,7 +11,8 @@ from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
 from memory_service.mirror.keys import NAMESPACES_KEY, OWNER_PREFIX, prefix_of_tag
-from memory_service.mirror.writer import MirrorWriter, namespace_of, pack_tokens
+from memory_service.mirror.batch import namespace_of, pack_tokens
+from memory_service.mirror.writer import MirrorWriter
 from memory_service.records import NewSeq, StepInput
 from memory_service.service_state import MemoryState
 

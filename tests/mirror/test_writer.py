@@ -17,7 +17,7 @@ from kvpager.errors import KvpagerError
 from memory_service.events import BlockStored
 from memory_service.mirror.reader import AsyncPrefixReader, PrefixReader
 from memory_service.mirror.scripts import APPLY_SCRIPT
-from memory_service.mirror.writer import _Call, namespace_of, stored_op
+from memory_service.mirror.batch import ScriptCall, namespace_of, stored_op
 from memory_service.records import NewSeq, StepInput
 from memory_service.sequence import SeqStatus
 
@@ -100,7 +100,7 @@ def test_mirror_equals_index_after_random_operations(redis_proc, data):
     asyncio.run(_random_run(redis_proc.url, data))
 
 
-async def _apply(writer, call: _Call) -> list:
+async def _apply(writer, call: ScriptCall) -> list:
     return await writer.client.evalsha(APPLY_SCRIPT.sha, 1, call.ns.executors, call.ns.prefix, 60_000, 60_000,
                                        100, len(call.sections), *call.argv)
 
@@ -131,7 +131,7 @@ async def test_repeated_batch_is_a_noop_gap_resyncs_stale_incarnation_rejected(r
 
     # the batch the writer would send next, sent twice: the second is a retry
     fake = BlockStored("e0", bytes(32), None, 15, 0, (1, 2, 3, 4))
-    batch = _Call(ns)
+    batch = ScriptCall(ns)
     batch.batch("e0", 1, last + 1, [stored_op(fake)])
     assert (await _apply(writer, batch))[:-1] == [b"ok"]
     before = _dump(r, ns)
@@ -139,7 +139,7 @@ async def test_repeated_batch_is_a_noop_gap_resyncs_stale_incarnation_rejected(r
     assert _dump(r, ns) == before
 
     # another incarnation's batch is rejected and changes nothing
-    stale = _Call(ns)
+    stale = ScriptCall(ns)
     stale.batch("e0", 99, last + 2, [stored_op(fake)])
     assert (await _apply(writer, stale))[:-1] == [b"stale"]
     assert _dump(r, ns) == before

@@ -1,0 +1,83 @@
+"""Encoding of the APPLY script's sections (see scripts.py for the format).
+
+KV events become compact op records; one executor's ops of one batch travel
+as ONE script argument, so packing a flush costs a join, not an argument per
+field.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable
+
+from memory_service.events import TIER_CPU, TIER_DEVICE, BlockStored
+from memory_service.kv_manager import ExecutorSpec
+from memory_service.mirror.keys import Namespace
+
+_LITTLE = sys.byteorder == "little"
+TIER_CODES = {TIER_DEVICE: "d", TIER_CPU: "c"}
+# Spec fields an executor record carries besides incarnation/lease/batch.
+SPEC_FIELDS = ("pool_generation", "address", "num_blocks", "block_size", "num_swap_blocks", "model_id", "dtype",
+               "max_model_len", "vocab_size", "adapter")
+CLEARED_OP = b"C"
+
+
+def pack_tokens(token_ids: Iterable[int]) -> bytes:
+    """Token ids as little-endian uint32 (the hash's canonical bytes)."""
+    a = array("I", token_ids)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_tokens(data: bytes) -> tuple[int, ...]:
+    a = array("I")
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return tuple(a)
+
+
+def stored_op(ev: BlockStored) -> bytes:
+    """S<hash><parent><depth><block_id><tier><n><tokens> (F without a parent)."""
+    tokens = pack_tokens(ev.token_ids)
+    head = f"S{ev.block_hash.hex()}{ev.parent_hash.hex()}" if ev.parent_hash is not None else f"F{ev.block_hash.hex()}"
+    return f"{head}{ev.depth:08x}{ev.block_id:08x}{TIER_CODES.get(ev.tier, 'd')}{len(tokens):08x}".encode() + tokens
+
+
+def removed_op(block_hash: bytes) -> bytes:
+    return b"X" + block_hash.hex().encode()
+
+
+def namespace_of(spec: ExecutorSpec) -> Namespace:
+    return Namespace(spec.model_id, spec.block_size)
+
+
+class ScriptCall:
+    """The sections of one APPLY call (one namespace)."""
+
+    __slots__ = ("ns", "argv", "sections")
+
+    def __init__(self, ns: Namespace) -> None:
+        self.ns = ns
+        self.argv: list = []
+        self.sections: list[tuple[str, str, int, int]] = []  # kind, executor, incarnation, num_ops
+
+    def batch(self, executor_id: str, incarnation: int, batch: int, ops: list[bytes]) -> None:
+        self.argv += ("B", executor_id, str(incarnation), batch, len(ops), b"".join(ops))
+        self.sections.append(("B", executor_id, incarnation, len(ops)))
+
+    def reset(self, spec: ExecutorSpec, batch: int) -> None:
+        self.argv += ("R", spec.executor_id, str(spec.incarnation), batch, len(SPEC_FIELDS))
+        for name in SPEC_FIELDS:
+            self.argv += (name, getattr(spec, name))
+        self.sections.append(("R", spec.executor_id, spec.incarnation, 0))
+
+    def renew(self, executor_id: str, incarnation: int, address: str) -> None:
+        self.argv += ("H", executor_id, str(incarnation), address)
+        self.sections.append(("H", executor_id, incarnation, 0))
+
+    def drop(self, executor_id: str, incarnation: int | None) -> None:
+        self.argv += ("D", executor_id, "" if incarnation is None else str(incarnation))
+        self.sections.append(("D", executor_id, incarnation or 0, 0))
