@@ -33,6 +33,9 @@ from gateway.state import Completion, Finish, Output, Request, Seq, SeqStatus
 log = get_logger("gateway.engine")
 
 _END = None  # sentinel on a request's queue: the stream is over
+# Seeds travel as int64: a client's uint64 seed (+ completion index) is taken
+# modulo 2**63 (an unmasked 2**63 overflowed the step and failed every request).
+SEED_MASK = (1 << 63) - 1
 
 
 @dataclass
@@ -408,10 +411,10 @@ class Engine:
                     top = self.beams.top_k(req)
                 elif spec.n > 1 and not seq.sampled_first:
                     samples = spec.n
-                    seeds.extend(req.seed + j for j in range(samples))
+                    seeds.extend((req.seed + j) & SEED_MASK for j in range(samples))
                 else:
                     samples = 1
-                    seeds.append(req.seed + seq.completion.index)
+                    seeds.append((req.seed + seq.completion.index) & SEED_MASK)
             num_samples.append(samples)
             temps.append(spec.temperature)
             top_ps.append(spec.top_p)

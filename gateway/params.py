@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from kvpager.errors import InvalidArgument
 
+MAX_LENGTH_PENALTY = 10.0
+
 
 @dataclass(slots=True, frozen=True)
 class Limits:
@@ -89,8 +91,11 @@ def validate(raw: RawParams, prompt_len: int, limits: Limits) -> SamplingSpec:
     if beam > 1 and n > beam:
         raise InvalidArgument(f"n ({n}) cannot exceed beam_width ({beam})")
     length_penalty = raw.length_penalty or 1.0
-    if not math.isfinite(length_penalty):
-        raise InvalidArgument("length_penalty must be finite")
+    # Bounded: len ** penalty must stay a normal float (a penalty of -1e10
+    # underflowed to 0 and the beam score divided by it).
+    if not math.isfinite(length_penalty) or abs(length_penalty) > MAX_LENGTH_PENALTY:
+        raise InvalidArgument(f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                              f"got {raw.length_penalty}")
     for s in raw.stop:
         if s == "":
             raise InvalidArgument("stop strings must not be empty")

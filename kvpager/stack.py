@@ -198,14 +198,35 @@ def _join(host: str, port: int) -> str:
 
 
 def _die_with_parent() -> None:
-    # Runs in the child before exec: SIGTERM it if the thread that started it
-    # dies (a SIGKILLed `kvpager up` leaves no orphans). Linux only.
+    # SIGTERM this process if the thread that started it dies (a SIGKILLed
+    # `kvpager up` leaves no orphans). Linux only.
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+# `python -c _BOOT -m MODULE ARGS...`: the child sets its parent-death signal
+# itself, after exec, then runs MODULE as `python -m` would. Not a preexec_fn:
+# Python code between fork and exec is unsafe once the parent has threads
+# (gRPC's), and restarted children died there with SIGSEGV.
+_BOOT = """\
+import os, runpy, sys
+from kvpager.stack import _die_with_parent
+_die_with_parent()
+if os.getppid() != int(os.environ.pop("KVPAGER_PARENT_PID", "0") or os.getppid()):
+    sys.exit(0)  # the parent died before the signal was armed
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def _with_parent_death_signal(argv: list[str]) -> list[str]:
+    if len(argv) >= 3 and argv[1] == "-m":
+        return [argv[0], "-c", _BOOT, *argv[1:]]
+    return argv
 
 
 def _tail(path: Path, num_lines: int = 40) -> str:
@@ -275,15 +296,55 @@ class Stack:
     def restart(self, name: str, *, wait_ready: bool = True) -> None:
         """Starts a child again with the same command line (a new process: an
         executor comes back with a new incarnation), after it has exited;
-        waits for its health to report SERVING unless told not to."""
+        waits for its health to report SERVING unless told not to. From
+        inside an event loop use ``arestart``."""
         import asyncio
 
+        if wait_ready:
+            asyncio.run(self.arestart(name))
+        else:
+            self._respawn(name)
+
+    async def arestart(self, name: str, timeout_s: float | None = None) -> None:
+        """``restart`` for async callers: spawns from the calling thread (the
+        parent-death signal follows that thread) and awaits SERVING. Only
+        this child's exit fails the wait (others may be down on purpose).
+
+        Raises:
+            StackError: the child exited or was not SERVING in time.
+        """
+        import asyncio
+
+        from kvpager.channel import wait_for_serving
+
+        child = self._respawn(name)
+        proc = self.procs[name]
+        deadline = time.monotonic() + (timeout_s or self.config.ready_timeout_s)
+        host, port = child.address.rsplit(":", 1)
+        while not _accepts(host, int(port)):
+            if proc.poll() is not None:
+                raise self._error(child, f"exited with code {proc.returncode} on restart")
+            if time.monotonic() > deadline:
+                raise self._error(child, f"not listening on {child.address} after restart")
+            await asyncio.sleep(0.05)
+        task = asyncio.ensure_future(wait_for_serving(child.address, max(deadline - time.monotonic(), 0.1),
+                                                      tls=self.client_tls))
+        while not task.done():
+            if proc.poll() is not None:
+                task.cancel()
+                raise self._error(child, f"exited with code {proc.returncode} on restart")
+            await asyncio.wait({task}, timeout=0.1)
+        try:
+            task.result()
+        except TimeoutError as exc:
+            raise self._error(child, str(exc)) from None
+
+    def _respawn(self, name: str) -> ChildSpec:
         child = next(c for c in self.children if c.name == name)
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running; kill it first")
         self._spawn(child)
-        if wait_ready:
-            asyncio.run(self._wait_ready([child]))
+        return child
 
     def start(self) -> Stack:
         import asyncio
@@ -323,10 +384,14 @@ class Stack:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if self.config.security is not None:  # tokens by environment: argv is visible to everyone
             env.update(self.config.security.child_env())
+        argv = child.argv
+        if self.die_with_parent:
+            argv = _with_parent_death_signal(argv)
+            env["KVPAGER_PARENT_PID"] = str(os.getpid())
         with open(self.log_path(child.name), "ab") as log:
             self.procs[child.name] = subprocess.Popen(
-                child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=_die_with_parent if self.die_with_parent else None)
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
 
     async def _wait_ready(self, tier: list[ChildSpec]) -> None:
         import asyncio

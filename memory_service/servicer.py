@@ -95,12 +95,24 @@ def accounting_to_proto(a: PoolAccounting) -> memory_pb2.PoolAccounting:
     return memory_pb2.PoolAccounting(**a.as_dict())
 
 
+# A pool is numbers here, but each block is an object: 2M blocks take ~2 s and
+# ~300 MiB to register, and a uint32 num_blocks could take the service down.
+MAX_POOL_BLOCKS = 1 << 22
+MAX_BLOCK_SIZE = 1024  # tokens; the executor's own limit
+
+
 class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
-    def __init__(self, state: MemoryState) -> None:
+    def __init__(self, state: MemoryState, *, max_pool_blocks: int = MAX_POOL_BLOCKS) -> None:
         self.state = state
+        self.max_pool_blocks = max_pool_blocks
 
     async def RegisterExecutor(self, request, context):
-        replaced = self.state.register_executor(spec_from_proto(request.info))
+        info = request.info
+        if info.num_blocks > self.max_pool_blocks or info.num_swap_blocks > self.max_pool_blocks:
+            raise InvalidArgument(f"num_blocks and num_swap_blocks must be <= {self.max_pool_blocks}")
+        if info.block_size > MAX_BLOCK_SIZE:
+            raise InvalidArgument(f"block_size must be <= {MAX_BLOCK_SIZE}")
+        replaced = self.state.register_executor(spec_from_proto(info))
         return memory_pb2.RegisterExecutorResponse(replaced_previous=replaced, lease_s=self.state.lease_s)
 
     async def DeregisterExecutor(self, request, context):
@@ -148,6 +160,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
 
     async def ScorePrefix(self, request, context):
         tokens = unpack_i32(request.token_ids, "token_ids")
+        if tokens and min(tokens) < 0:  # the prefix hash packs them as uint32
+            raise InvalidArgument("token_ids must be >= 0")
         scores = self.state.score_prefix(tokens, request.cache_salt, list(request.executor_ids))
         return memory_pb2.ScorePrefixResponse(scores=[
             memory_pb2.ExecutorScore(executor_id=s.executor_id, hit_blocks=s.hit_blocks, hit_tokens=s.hit_tokens,
