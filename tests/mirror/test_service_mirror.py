@@ -232,7 +232,8 @@ async def test_restart_recovery_rebuilds_confirmed_executors_only(redis_proc):
 
 async def test_password_and_acl_user_credentials(redis_factory, monkeypatch):
     protected = redis_factory(("--requirepass", "s3cret"), url_auth=":s3cret@")
-    acl = redis_factory(("--user", "alice", "on", ">pw", "~kvp:*", "&*", "+@all", "--user", "default", "off"),
+    acl = redis_factory(("--user", "alice", "on", ">pw", "~kvp:*", "+@all", "-@dangerous",
+                         "--user", "default", "off"),
                         url_auth="alice:pw@")
     bare_acl_url = acl.url.replace("alice:pw@", "")
     cases = [(protected.url, {}), (acl.url, {}),
