@@ -28,6 +28,8 @@ class KernelBackend:
     paged_attention: Callable
     copy_blocks: Callable
     copy_blocks_all_layers: Callable
+    # The torch backend's layer-independent attention work, done once per forward.
+    plan_attention: Callable | None = None
 
 
 def load_backend(name: str) -> KernelBackend:
@@ -41,7 +43,7 @@ def load_backend(name: str) -> KernelBackend:
         raise ValueError(f"unknown attention backend {name!r}")
     # Resolve eagerly: a missing launcher fails at start-up, not mid-request.
     fns = {f: getattr(mod, f) for f in ("store_kv", "paged_attention", "copy_blocks", "copy_blocks_all_layers")}
-    return KernelBackend(name=name, **fns)
+    return KernelBackend(name=name, plan_attention=getattr(mod, "plan_attention", None), **fns)
 
 
 @dataclass(slots=True)
@@ -54,6 +56,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache) views
     backend: KernelBackend
+    plan: object | None = None     # backend.plan_attention(...) of this batch, shared by every layer
 
 
 def paged_attention_forward(
@@ -87,9 +90,9 @@ def paged_attention_forward(
     v = value[0].transpose(0, 1).contiguous()  # [T, KVH, D]
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = meta.backend.paged_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, float(scaling)
-    )  # [T, H, D]
+    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, float(scaling))
+    out = (meta.backend.paged_attention(*args) if meta.plan is None
+           else meta.backend.paged_attention(*args, plan=meta.plan))  # [T, H, D]
     return out.unsqueeze(0), None
 
 

@@ -104,6 +104,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Writes the batch's K/V into the pool and returns logits [R, V] fp32
         for ``batch.logits_indices``."""
+        plan = None
+        if backend.plan_attention is not None:
+            k_cache = kv_caches[0][0]  # [NB, BS, KVH, D], as every layer's
+            plan = backend.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                          k_cache.shape[1], k_cache.shape[0])
         meta = AttentionMetadata(
             slot_mapping=batch.slot_mapping,
             block_tables=batch.block_tables,
@@ -111,6 +116,7 @@ class ModelRunner:
             query_start_loc=batch.query_start_loc,
             kv_caches=kv_caches,
             backend=backend,
+            plan=plan,
         )
         out = self.model(
             input_ids=batch.input_ids.unsqueeze(0),      # [1, T]

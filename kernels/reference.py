@@ -12,6 +12,7 @@ Layouts (see docs/kernels.md):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 __all__ = [
     "store_kv",
     "paged_attention",
+    "plan_attention",
     "copy_blocks",
     "copy_blocks_all_layers",
 ]
@@ -36,17 +38,23 @@ def store_kv(
 
     key, value: [T, KVH, D]; slot_mapping: [T] int32/int64, negative = skip.
     """
-    block_size = k_cache.shape[1]
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)  # [T]
-    keep = slots >= 0
-    # Boolean-filter once so skipped tokens never produce an index (a
-    # negative index would silently wrap around to the last block).
-    slots = slots[keep]
+    if bool((slots < 0).any()):
+        # Boolean-filter so skipped tokens never produce an index (a negative
+        # index would silently wrap around to the last block).
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        # One row per slot: index_copy_ on the [NB * BS, KVH, D] view.
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+        return
+    block_size = k_cache.shape[1]
     blocks = torch.div(slots, block_size, rounding_mode="floor")  # [T']
     offsets = slots - blocks * block_size  # [T']
-    # index_put_ writes through views, so per-layer slices of the pool work.
-    k_cache.index_put_((blocks, offsets), key[keep].to(k_cache.dtype))
-    v_cache.index_put_((blocks, offsets), value[keep].to(v_cache.dtype))
+    # index_put_ writes through views, so any strided cache works.
+    k_cache.index_put_((blocks, offsets), key.to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), value.to(v_cache.dtype))
 
 
 def _gather_context(
@@ -60,24 +68,49 @@ def _gather_context(
     -> [S, max_len, KVH, D], zero past each length.
     """
     block_size = cache.shape[1]
+    group = _gather_plan(block_table, max_len, lengths, block_size, cache.shape[0])
+    return _gather(cache, group)
+
+
+@dataclass(slots=True)
+class _Gather:
+    """Where one padded gather reads (blocks) and what it zeroes (token rows)."""
+
+    block_ids: torch.Tensor            # [S * n_blocks] int64, clamped into the pool
+    pad_rows: Optional[torch.Tensor]   # [P] int64 rows of the [S * width] gathered tokens to zero
+    num_seqs: int
+    width: int                         # n_blocks * block_size (>= max_len)
+    max_len: int
+
+
+def _gather_plan(block_table: torch.Tensor, max_len: int, lengths: Optional[torch.Tensor], block_size: int,
+                 num_blocks: int) -> _Gather:
     n_blocks = (max_len + block_size - 1) // block_size
     # Table entries past a sequence's last block may be padding (e.g. -1);
-    # clamp them to a valid id: those positions are zeroed below anyway.
-    table = block_table[:, :n_blocks].to(torch.int64).clamp(0, cache.shape[0] - 1)
+    # clamp them to a valid id: those positions are zeroed anyway.
+    table = block_table[:, :n_blocks].to(torch.int64).clamp(0, num_blocks - 1)
     s, width = table.shape[0], n_blocks * block_size
+    pad_rows = None
+    if lengths is not None:
+        pad = torch.arange(width, device=table.device)[None, :] >= lengths[:, None]  # [S, width]
+        pad_rows = pad.reshape(-1).nonzero().squeeze(1)
+        if pad_rows.numel() == 0:
+            pad_rows = None
+    return _Gather(table.reshape(-1), pad_rows, s, width, max_len)
+
+
+def _gather(cache: torch.Tensor, g: _Gather) -> torch.Tensor:
+    """-> [S, max_len, KVH, D] (a view of a fresh copy), zero past each length."""
     # index_select copies whole contiguous blocks: several times faster on
     # CPU than advanced indexing (cache[table]) for the same bytes.
-    gathered = cache.index_select(0, table.reshape(-1))  # [S * n_blocks, BS, KVH, D]
-    if lengths is not None:
+    gathered = cache.index_select(0, g.block_ids)  # [S * n_blocks, BS, KVH, D]
+    if g.pad_rows is not None:
         # Slots past a sequence's length hold stale or uninitialised memory
         # that may be NaN/inf; masking scores is not enough (0 * NaN = NaN in
         # P @ V). Zero those token rows (index_fill_ on whole rows is ~5x
         # cheaper than a broadcast masked_fill_).
-        pad = torch.arange(width, device=cache.device)[None, :] >= lengths[:, None]  # [S, width]
-        rows = pad.reshape(-1).nonzero().squeeze(1)
-        if rows.numel():
-            gathered.view(s * width, -1).index_fill_(0, rows, 0)
-    return gathered.view(s, width, *cache.shape[2:])[:, :max_len]
+        gathered.view(g.num_seqs * g.width, -1).index_fill_(0, g.pad_rows, 0)
+    return gathered.view(g.num_seqs, g.width, *cache.shape[2:])[:, : g.max_len]
 
 
 def _length_groups(lens: torch.Tensor, max_groups: int = 4, ratio: float = 0.6) -> list[torch.Tensor]:
@@ -96,6 +129,72 @@ def _length_groups(lens: torch.Tensor, max_groups: int = 4, ratio: float = 0.6) 
             head = n
     cuts.append(len(sorted_lens))
     return [order[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    rows: torch.Tensor    # [Sd] token index of each decode
+    mask: torch.Tensor    # [Sd, 1, 1, max_len] bool: key position < seq_len
+    gather: _Gather
+
+
+@dataclass(slots=True)
+class _Prefill:
+    start: int
+    stop: int
+    mask: Optional[torch.Tensor]  # [Q, L] bool; None = plain causal (no cached context)
+    gather: _Gather
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """What ``paged_attention`` does for one batch, independent of the layer:
+    built once per forward (``plan_attention``) and passed to every layer's
+    call, so the per-layer work is the gathers and the attention itself."""
+
+    decodes: list = field(default_factory=list)   # [_DecodeGroup]
+    prefills: list = field(default_factory=list)  # [_Prefill]
+
+
+def plan_attention(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
+    num_blocks: int,
+) -> AttentionPlan:
+    """The layer-independent part of ``paged_attention`` (same arguments)."""
+    plan = AttentionPlan()
+    device = block_tables.device
+    # One host sync for the whole batch: the sequence lengths decide shapes.
+    qsl = query_start_loc.to(torch.int64).cpu()
+    lens = seq_lens.to(torch.int64).cpu()
+    q_lens = qsl[1:] - qsl[:-1]  # [S]
+    if lens.numel() == 0:
+        return plan
+    # Decodes (q_len == 1) share padded attention calls; each prefill chunk
+    # gets its own call, which avoids padding a big batch of decodes up to
+    # the longest prefill's query length. Decodes of similar length share a
+    # call (padding every decode to the longest one would gather and attend
+    # ~2x the context of a typical mixed batch).
+    decode_idx = torch.nonzero(q_lens == 1).flatten()
+    if decode_idx.numel() > 0:
+        for group in _length_groups(lens[decode_idx]):
+            seqs = decode_idx[group]  # [Sd] sequence indices
+            d_lens = lens[seqs]
+            max_len = int(d_lens.max())
+            seqs_dev, d_lens_dev = seqs.to(device), d_lens.to(device)
+            mask = torch.arange(max_len, device=device)[None, :] < d_lens_dev[:, None]
+            plan.decodes.append(_DecodeGroup(
+                rows=qsl[:-1][seqs].to(device), mask=mask[:, None, None, :],
+                gather=_gather_plan(block_tables[seqs_dev], max_len, d_lens_dev, block_size, num_blocks)))
+    for s in torch.nonzero(q_lens > 1).flatten().tolist():
+        start, stop = int(qsl[s]), int(qsl[s + 1])
+        n_q, n_kv = stop - start, int(lens[s])
+        mask = None
+        if n_q != n_kv:  # a chunk after cached context: causal, aligned to the end
+            q_pos = torch.arange(n_kv - n_q, n_kv, device=device)  # [Q]
+            mask = torch.arange(n_kv, device=device)[None, :] <= q_pos[:, None]  # [Q, L]
+        plan.prefills.append(_Prefill(start, stop, mask,
+                                      _gather_plan(block_tables[s : s + 1], n_kv, None, block_size, num_blocks)))
+    return plan
 
 
 def _attend(
@@ -131,6 +230,7 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: Optional[torch.Tensor] = None,
+    plan: Optional[AttentionPlan] = None,
 ) -> torch.Tensor:
     """Causal attention of flattened new tokens over the paged cache.
 
@@ -138,61 +238,36 @@ def paged_attention(
     block_tables: [S, MB] int32; seq_lens: [S] int32 (total context incl. the
     new tokens); query_start_loc: [S + 1] int32 cumulative query lengths.
     Query token j of seq s sits at absolute position seq_lens[s] - q_len[s] + j
-    and attends to positions <= its own. Returns [T, H, D] in q.dtype.
+    and attends to positions <= its own. ``plan``: ``plan_attention`` of the
+    same arguments, to share across layers (built here when None).
+    Returns [T, H, D] in q.dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    device = q.device
-    # One host sync for the whole batch: the sequence lengths decide shapes.
-    qsl = query_start_loc.to(torch.int64).cpu()
-    lens = seq_lens.to(torch.int64).cpu()
-    q_lens = qsl[1:] - qsl[:-1]  # [S]
-    tables = block_tables.to(device)
-
-    # Decodes (q_len == 1) are batched into one padded attention call; each
-    # prefill chunk gets its own call, which avoids padding a big batch of
-    # decodes up to the longest prefill's query length.
-    decode_idx = torch.nonzero(q_lens == 1).flatten()
-    if decode_idx.numel() > 0:
-        kvh = k_cache.shape[2]
-        # Decodes of similar length share one padded call (padding every
-        # decode to the longest would gather and attend ~2x the context of a
-        # typical mixed batch).
-        for group in _length_groups(lens[decode_idx]):
-            seqs = decode_idx[group]  # [Sd] sequence indices
-            d_lens = lens[seqs]
-            max_len = int(d_lens.max())
-            seqs_dev, d_lens_dev = seqs.to(device), d_lens.to(device)
-            k = _gather_context(k_cache, tables[seqs_dev], max_len, d_lens_dev)  # [Sd, L, KVH, D]
-            v = _gather_context(v_cache, tables[seqs_dev], max_len, d_lens_dev)
-            rows = qsl[:-1][seqs].to(device)  # token index of each decode
-            sd = rows.numel()
-            # A decode's query heads sharing a kv head all see the same keys
-            # with no causal mask, so the group becomes a short query block:
-            # q [Sd, KVH, G, D] against k [Sd, KVH, L, D] (the fastest CPU form).
-            qd = q.index_select(0, rows).reshape(sd, kvh, num_heads // kvh, head_dim)
-            # key position < seq_len (the decode token is the last position).
-            mask = torch.arange(max_len, device=device)[None, :] < d_lens_dev[:, None]
-            o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale)
-            out.index_copy_(0, rows, o.reshape(sd, num_heads, head_dim).to(out.dtype))
-
-    prefill_idx = torch.nonzero(q_lens > 1).flatten().tolist()
-    for s in prefill_idx:
-        start, stop = int(qsl[s]), int(qsl[s + 1])
-        n_q, n_kv = stop - start, int(lens[s])
-        k = _gather_context(k_cache, tables[s : s + 1], n_kv)  # [1, L, KVH, D]
-        v = _gather_context(v_cache, tables[s : s + 1], n_kv)
-        qs = q[start:stop].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        if n_q == n_kv:  # no cached context: plain causal (the kernel skips masked blocks)
-            o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), None, scale, is_causal=True)
-        else:
-            q_pos = torch.arange(n_kv - n_q, n_kv, device=device)  # [Q]
-            mask = torch.arange(n_kv, device=device)[None, :] <= q_pos[:, None]  # [Q, L]
-            o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), mask, scale)
-        out[start:stop] = o[0].transpose(0, 1).to(out.dtype)
+    if plan is None:
+        plan = plan_attention(block_tables.to(q.device), seq_lens, query_start_loc, k_cache.shape[1],
+                              k_cache.shape[0])
+    kvh = k_cache.shape[2]
+    for d in plan.decodes:
+        k = _gather(k_cache, d.gather)  # [Sd, L, KVH, D]
+        v = _gather(v_cache, d.gather)
+        sd = d.gather.num_seqs
+        # A decode's query heads sharing a kv head all see the same keys with
+        # no causal mask, so the group becomes a short query block:
+        # q [Sd, KVH, G, D] against k [Sd, KVH, L, D] (the fastest CPU form).
+        qd = q.index_select(0, d.rows).reshape(sd, kvh, num_heads // kvh, head_dim)
+        o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), d.mask, scale)
+        out.index_copy_(0, d.rows, o.reshape(sd, num_heads, head_dim).to(out.dtype))
+    for p in plan.prefills:
+        k = _gather(k_cache, p.gather)  # [1, L, KVH, D]
+        v = _gather(v_cache, p.gather)
+        qs = q[p.start : p.stop].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        # No cached context: plain causal (the kernel skips masked blocks).
+        o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), p.mask, scale, is_causal=p.mask is None)
+        out[p.start : p.stop] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
 
