@@ -12,7 +12,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-__all__ = ["BearerToken", "BoundedCalls", "ClientTls", "auth_metadata", "channel_options", "make_channel", "wait_for_serving"]
+__all__ = ["BoundedCalls", "bearer_interceptors", "ClientTls", "auth_metadata", "channel_options", "make_channel", "wait_for_serving"]
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 
@@ -63,17 +63,14 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
-class BearerToken(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds ``authorization: Bearer <token>`` to every call on an aio channel.
+class _Bearer:
+    """Adds ``authorization: Bearer <token>`` to calls of one kind.
 
     An interceptor rather than ``grpc.access_token_call_credentials`` because
     call credentials are refused on insecure channels, and the embedded stack
-    runs without TLS.
+    runs without TLS. One object per call kind: a grpc.aio channel files each
+    interceptor under the *first* kind it is an instance of, so one object
+    implementing all four silently skipped every streaming call.
     """
 
     def __init__(self, token: str) -> None:
@@ -83,17 +80,30 @@ class BearerToken(
         metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
         return details._replace(metadata=metadata)
 
+
+class _BearerUnaryUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _BearerUnaryStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _BearerStreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
 
+
+class _BearerStreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
+
+
+def bearer_interceptors(token: str) -> list:
+    """aio client interceptors sending ``token`` on every call, of every kind."""
+    return [kind(token) for kind in (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary, _BearerStreamStream)]
 
 
 def make_channel(
@@ -127,7 +137,7 @@ def make_channel(
         if credentials is None:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, credentials, options=options)
-    interceptors = [*([BearerToken(token)] if token else []), *interceptors]
+    interceptors = [*(bearer_interceptors(token) if token else []), *interceptors]
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors or None)
     return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors or None)

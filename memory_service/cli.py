@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,7 +20,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mirror the prefix index to this Redis, redis://[user:pass@]host:port/db "
                         "(default: $KVPAGER_REDIS_URL; none = no mirror). Credentials may also come from "
                         "$KVPAGER_REDIS_USERNAME / $KVPAGER_REDIS_PASSWORD")
+    p.add_argument("--max-pool-blocks", type=int, default=1 << 22,
+                   help="RegisterExecutor refuses pools (device or swap) larger than this many blocks")
     p.add_argument("--log-level", default="INFO")
+    from kvpager.security import add_security_arguments
+
+    add_security_arguments(p, server=True, client=True, admin_token=True, open_read_only=True)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,11 +35,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    from kvpager.security import security_from_args
     from memory_service.service import MemoryConfig
 
+    security = security_from_args(args)
     return MemoryConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, lease_s=args.lease_s,
                         swap_min_tokens=args.swap_min_tokens, grace_s=args.grace_s,
-                        redis_url=getattr(args, "redis_url", None))
+                        redis_url=getattr(args, "redis_url", None), tls=security.server_tls(),
+                        client_tls=security.client_tls(), admin_token=security.admin_token,
+                        open_read_only=security.open_read_only,
+                        max_pool_blocks=getattr(args, "max_pool_blocks", 1 << 22))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,9 +52,14 @@ def run(args: argparse.Namespace) -> int:
     from memory_service.service import MemoryServer
 
     configure_logging("memory", args.log_level)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # inconsistent flags (e.g. a TLS cert without its key)
+        print(f"kvpager memory: {exc}", file=sys.stderr)
+        return 2
 
     async def main() -> None:
-        server = MemoryServer(config_from_args(args))
+        server = MemoryServer(config)
         await server.start()
         print(f"memory service listening on {server.address}"
               + (f", metrics on :{server.runtime.metrics_port}" if server.runtime.metrics_port else ""), flush=True)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvpager.server import ServiceRuntime
+from kvpager.channel import ClientTls
+from kvpager.server import ServiceRuntime, TlsConfig
 from kvpager.telemetry import get_logger
 from kvpager.v1 import memory_pb2_grpc
 from memory_service.events import EventQueue
@@ -36,6 +37,14 @@ class MemoryConfig:
     mirror_lease_s: float | None = None    # executor record lease; default lease_s * 3
     recovery_timeout_s: float = 30.0       # bound on restart recovery before serving cold
     confirm_timeout_s: float = 1.0         # deadline of each ConfirmPool during recovery
+    # Security (docs/security.md): TLS on the server and on ConfirmPool calls
+    # to executors; the admin token is required (for the mutating RPCs only
+    # with open_read_only) and sent to executors.
+    tls: TlsConfig | None = None
+    client_tls: ClientTls | None = None
+    admin_token: str | None = field(default=None, repr=False)
+    open_read_only: bool = False
+    max_pool_blocks: int = 1 << 22         # RegisterExecutor refuses larger pools
 
 
 class MemoryServer:
@@ -52,10 +61,13 @@ class MemoryServer:
 
             self.mirror = MirrorWriter(self.state, config.redis_url, username=config.redis_username,
                                        password=config.redis_password, lease_s=config.mirror_lease_s)
+        from kvpager.security import memory_auth
+
         self.runtime = ServiceRuntime("memory", host=config.host, port=config.port,
-                                      metrics_port=config.metrics_port, grace_s=config.grace_s)
-        self.runtime.add(memory_pb2_grpc.add_MemoryServiceServicer_to_server, MemoryServicer(self.state),
-                         SERVICE_NAME)
+                                      metrics_port=config.metrics_port, grace_s=config.grace_s, tls=config.tls,
+                                      auth=memory_auth(config.admin_token, config.open_read_only))
+        self.runtime.add(memory_pb2_grpc.add_MemoryServiceServicer_to_server,
+                         MemoryServicer(self.state, max_pool_blocks=config.max_pool_blocks), SERVICE_NAME)
         self._reaper: asyncio.Task | None = None
 
     @property
@@ -80,13 +92,31 @@ class MemoryServer:
             return
         try:
             report = await asyncio.wait_for(
-                recover(self.state, self.mirror, confirm_timeout_s=self.config.confirm_timeout_s),
+                recover(self.state, self.mirror, confirm=self._confirm_pool,
+                        confirm_timeout_s=self.config.confirm_timeout_s),
                 self.config.recovery_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a failed recovery starts cold, never fails the service
             log.warning("mirror recovery failed: starting cold", error=repr(exc))
             return
         log.info("mirror recovery done", restored=report.restored, dropped=report.dropped,
                  blocks=report.num_blocks)
+
+    async def _confirm_pool(self, address: str, incarnation: int, pool_generation: int, timeout_s: float) -> bool:
+        """ExecutorService.ConfirmPool over this service's TLS and admin token."""
+        import grpc
+
+        from kvpager.channel import make_channel
+        from kvpager.v1 import executor_pb2, executor_pb2_grpc
+
+        async with make_channel(address, tls=self.config.client_tls, token=self.config.admin_token) as channel:
+            try:
+                reply = await executor_pb2_grpc.ExecutorServiceStub(channel).ConfirmPool(
+                    executor_pb2.ConfirmPoolRequest(incarnation=incarnation, pool_generation=pool_generation),
+                    timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                log.info("ConfirmPool failed", address=address, code=exc.code().name)
+                return False
+        return reply.confirmed and reply.incarnation == incarnation and reply.pool_generation == pool_generation
 
     async def _reap(self) -> None:
         while True:

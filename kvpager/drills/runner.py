@@ -56,6 +56,8 @@ class StackOptions:
     log_dir: str = dataclasses.field(default="", metadata={"help": "child logs (default: a temp dir)"})
     secure: bool = dataclasses.field(default=False, metadata={
         "help": "mutual TLS (certs from scripts/make-dev-ca.sh) + gateway and admin tokens on every service"})
+    cert_dir: str = dataclasses.field(default="", metadata={
+        "help": "with --secure: the certificates of scripts/make-dev-ca.sh DIR (default: fresh ones)"})
     seed: int = 0
     gateway_args: str = dataclasses.field(default="", metadata={"help": "extra gateway flags, one string"})
 
@@ -110,7 +112,8 @@ def drill_stack(needs: Needs, options: StackOptions | None = None, **config_over
         if redis is not None:
             # Only the memory service mirrors; the gateway keeps scoring by ScorePrefix.
             extra["memory"] = ["--redis-url", redis.url]
-        security = secure_config(dev_certs(Path(tmp.name) / "certs")) if opts.secure else None
+        certs = Path(opts.cert_dir) if opts.cert_dir else None
+        security = secure_config(certs or dev_certs(Path(tmp.name) / "certs")) if opts.secure else None
         config = StackConfig(
             model=opts.model or None, num_executors=max(opts.executors, needs.executors),
             num_blocks=opts.num_blocks, block_size=opts.block_size, swap_blocks=opts.swap_blocks,

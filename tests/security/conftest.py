@@ -1,0 +1,23 @@
+"""Security tests: TLS, tokens, limits, logs (docs/security.md)."""
+
+import shutil
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def security_model(tmp_path_factory):
+    from executor_service.demo_model import build_demo_model
+
+    return str(build_demo_model(tmp_path_factory.mktemp("security") / "demo", vocab_size=320,
+                                max_position_embeddings=256))
+
+
+@pytest.fixture(scope="session")
+def dev_certs(tmp_path_factory):
+    """scripts/make-dev-ca.sh output: ca, server (both EKUs), client."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    from kvpager.drills.runner import dev_certs as make
+
+    return make(tmp_path_factory.mktemp("certs") / "dev")
