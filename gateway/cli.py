@@ -24,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default=None, help="score prefixes from the Redis mirror")
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="longest prompt accepted, in tokens (default 0: the context limit - 1)")
+    p.add_argument("--step-timeout-s", type=float, default=120.0,
+                   help="deadline of each internal Step and Execute call (a hung executor fails its requests "
+                        "with UNAVAILABLE after this long)")
     p.add_argument("--max-message-bytes", type=int, default=16 * 2**20,
                    help="largest request or response message (larger: RESOURCE_EXHAUSTED)")
     p.add_argument("--grace-s", type=float, default=5.0)
@@ -49,7 +52,8 @@ def config_from_args(args: argparse.Namespace):
                          engine=EngineConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                                              max_waiting=args.max_waiting, max_n=args.max_n, policy=args.policy,
                                              load_weight_tokens=args.load_weight_tokens,
-                                             max_prompt_tokens=args.max_prompt_tokens))
+                                             max_prompt_tokens=args.max_prompt_tokens,
+                                             step_timeout_s=args.step_timeout_s))
 
 
 def run(args: argparse.Namespace) -> int:
