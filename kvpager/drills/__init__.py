@@ -24,9 +24,12 @@ import argparse
 import json
 import sys
 
+from kvpager.drills import runner as _runner
 from kvpager.drills.common import DrillResult
-from kvpager.drills.runner import (DRILLS, Needs, StackOptions, add_option_flags, drill_stack, load,
-                                   options_from_args, run_drill)
+from kvpager.drills.runner import DRILLS, Needs, StackOptions, add_option_flags, drill_stack, options_from_args, run_drill
+
+# Not `load` here: importing the submodule kvpager.drills.load rebinds that name.
+_load = _runner.load
 
 __all__ = ["DRILLS", "DrillResult", "Needs", "StackOptions", "drill_stack", "register", "run_drill"]
 
@@ -37,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     drills = p.add_subparsers(dest="drill", metavar="NAME")
     for name in DRILLS:
         try:
-            module = load(name)
+            module = _load(name)
         except Exception as exc:  # noqa: BLE001 - a broken drill must never break `kvpager <service>`
             d = drills.add_parser(name, help=f"(unavailable: {exc})")
             d.set_defaults(func=lambda args, exc=exc: print(f"kvpager drill: {exc}", file=sys.stderr) or 2)
@@ -56,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     from kvpager.drills.runner import run_async
     from kvpager.stack import StackError
 
-    module = load(args.drill_name)
+    module = _load(args.drill_name)
     opts = options_from_args(module.Options, args)
     stack_opts = options_from_args(StackOptions, args)
     needs = module.needs(opts) if callable(getattr(module, "needs", None)) else module.NEEDS
