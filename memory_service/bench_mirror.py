@@ -3,8 +3,9 @@ what the Redis mirror costs and what it buys. Starts its own redis-server.
 
 * mirror_overhead_ratio: median Step RPC latency with the mirror on over off.
   Two memory services (separate processes, one with --redis-url) serve the
-  same decode-with-churn workload from one client, rounds interleaved in one
-  run; the ratio is the median of the per-round ratios. Also in-process:
+  same decode-with-churn workload from one client in alternating slices of
+  10 steps; the ratio is the median of the per-round ratios. Server CPU per
+  step (from /proc) is reported beside it: it does not depend on neighbours. Also in-process:
   the Step call alone (event emission is all the allocator pays) and a
   Step+yield loop that charges the writer's CPU to the steps.
 * score_p50_us / score_p99_us: PrefixReader.score of a 64-block prompt
@@ -47,6 +48,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
 
 
 def _spawn_memory(redis_url: str | None) -> tuple[subprocess.Popen, str]:
@@ -132,22 +143,36 @@ def step_overhead_rpc(redis_url: str, batch: int, steps: int, rounds: int) -> di
                 time.sleep(0.05)
             stubs[mode] = memory_pb2_grpc.MemoryServiceStub(channel)
         medians = {"off": [], "on": []}
+        cpu = {"off": [], "on": []}  # server process CPU per step: robust to a busy machine
         for r in range(rounds):
-            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                w = _Workload(stubs[mode], f"bench{r}", batch, seed=r + 1)
+            # Both services run the same workload in alternating slices of 10 steps,
+            # so a busy neighbour slows both alike.
+            loads = {mode: _Workload(stubs[mode], f"bench{r}", batch, seed=r + 1) for mode in ("off", "on")}
+            times = {"off": [], "on": []}
+            cpu_s = {"off": 0.0, "on": 0.0}
+            for w in loads.values():
                 for _ in range(20):  # warm-up
                     w.step()
-                times = []
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    w.step()
-                    times.append(time.perf_counter() - t0)
+            for k in range(steps // 10):
+                for mode in (("off", "on") if k % 2 == 0 else ("on", "off")):
+                    w = loads[mode]
+                    cpu0 = _cpu_s(servers[mode][0].pid)
+                    for _ in range(10):
+                        t0 = time.perf_counter()
+                        w.step()
+                        times[mode].append(time.perf_counter() - t0)
+                    cpu_s[mode] += _cpu_s(servers[mode][0].pid) - cpu0
+            for mode, w in loads.items():
                 w.close()
-                medians[mode].append(statistics.median(times))
+                medians[mode].append(statistics.median(times[mode]))
+                cpu[mode].append(cpu_s[mode] / len(times[mode]))
         ratios = [on / off for on, off in zip(medians["on"], medians["off"])]
         return {"mirror_overhead_ratio": round(statistics.median(ratios), 3),
+                "mirror_overhead_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
                 "step_rpc_us_mirror_off": round(statistics.median(medians["off"]) * 1e6, 1),
                 "step_rpc_us_mirror_on": round(statistics.median(medians["on"]) * 1e6, 1),
+                "server_cpu_us_per_step_mirror_off": round(statistics.median(cpu["off"]) * 1e6, 1),
+                "server_cpu_us_per_step_mirror_on": round(statistics.median(cpu["on"]) * 1e6, 1),
                 "step_batch": batch, "step_rounds": rounds}
     finally:
         for channel in channels:
@@ -358,7 +383,7 @@ def run_all(redis_url: str | None = None, quick: bool = False) -> dict:
         info = redis.Redis.from_url(redis_url).info("server")
         result = {"machine": {"cpus": os.cpu_count(), "redis_version": info.get("redis_version"),
                               "python": sys.version.split()[0]}}
-        steps, rounds = (100, 3) if quick else (300, 7)
+        steps, rounds = (100, 3) if quick else (300, 11)
         _progress("Step overhead over gRPC (two memory services, mirror off/on)")
         result.update(step_overhead_rpc(redis_url, batch=64, steps=steps, rounds=rounds))
         _progress("Step overhead in-process")

@@ -28,12 +28,16 @@ def _options(username, password, socket_timeout_s: float, retries: int, health_c
 
 
 def make_async_client(url: str, *, username: str | None = None, password: str | None = None,
-                      socket_timeout_s: float = 2.0, retries: int = 2,
-                      health_check_interval_s: int = 10) -> redis.asyncio.Redis:
-    """An asyncio client for ``url`` (redis://[user:pass@]host:port/db, rediss://, unix://)."""
+                      socket_timeout_s: float = 2.0, retries: int = 2, health_check_interval_s: int = 10,
+                      single_connection: bool = False) -> redis.asyncio.Redis:
+    """An asyncio client for ``url`` (redis://[user:pass@]host:port/db, rediss://, unix://).
+
+    single_connection: one connection behind a lock instead of a pool (the
+    writer: one task, calls in order, less per-call overhead)."""
     opts, retries = _options(username, password, socket_timeout_s, retries, health_check_interval_s)
     retry = AsyncRetry(ExponentialBackoff(cap=0.5, base=0.02), retries, supported_errors=_RETRIED)
-    return redis.asyncio.Redis.from_url(url, retry=retry, retry_on_error=list(_RETRIED), **opts)
+    return redis.asyncio.Redis.from_url(url, retry=retry, retry_on_error=list(_RETRIED),
+                                        single_connection_client=single_connection, **opts)
 
 
 def make_client(url: str, *, username: str | None = None, password: str | None = None,

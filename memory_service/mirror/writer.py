@@ -60,7 +60,7 @@ class MirrorWriter:
         redis_url: redis://[user:pass@]host:port/db (or pass ``client``).
         lease_s: how long an executor record stays live without renewal
             (default: the memory service's own expiry, lease_s * expiry_leases).
-        window_s: coalescing window after a wake-up (<= 5 ms keeps the mirror fresh).
+        window_s: coalescing window after a wake-up (5 ms: the mirror trails by that plus a round trip).
         retention_s: TTL of records and reverse indexes (renewed with the lease),
             so a namespace nobody writes any more does not live forever.
         chunk_blocks: most ops per batch (resyncs are sent in such chunks).
@@ -69,7 +69,7 @@ class MirrorWriter:
 
     def __init__(self, state: MemoryState, redis_url: str | None = None, *,
                  client: redis.asyncio.Redis | None = None, username: str | None = None,
-                 password: str | None = None, lease_s: float | None = None, window_s: float = 0.002,
+                 password: str | None = None, lease_s: float | None = None, window_s: float = 0.005,
                  retention_s: float = 3600.0, chunk_blocks: int = 2000, gc_cap: int = 2000,
                  socket_timeout_s: float = 2.0, backoff_cap_s: float = 2.0) -> None:
         if client is None and redis_url is None:
@@ -81,7 +81,7 @@ class MirrorWriter:
         self.events: EventQueue = events
         self.url = redact(redis_url) if redis_url else "(client)"
         self.client = client or make_async_client(redis_url, username=username, password=password,
-                                                  socket_timeout_s=socket_timeout_s)
+                                                  socket_timeout_s=socket_timeout_s, single_connection=True)
         self.lease_s = lease_s or state.lease_s * state.expiry_leases
         self.window_s = window_s
         self.retention_s = max(retention_s, self.lease_s * 2)
@@ -421,19 +421,22 @@ class MirrorWriter:
         """One round trip: announce new namespaces, then one APPLY per call.
         Returns False when a section asks for a resync."""
         lease_ms, retention_ms = int(self.lease_s * 1000), int(self.retention_s * 1000)
+        # A reset may follow a Redis that lost everything: announce its namespace again.
+        fresh = [c.ns for c in calls if c.ns.tag not in self._announced or any(sec[0] == "R" for sec in c.sections)]
         for attempt in (0, 1):
-            pipe = self.client.pipeline(transaction=False)
-            # A reset may follow a Redis that lost everything: announce its namespace again.
-            fresh = [c.ns for c in calls if c.ns.tag not in self._announced
-                     or any(sec[0] == "R" for sec in c.sections)]
-            for ns in fresh:
-                pipe.sadd(NAMESPACES_KEY, ns.tag)
-                pipe.hset(ns.meta, mapping={"model_id": ns.model_id, "block_size": ns.block_size,
-                                            "hash_version": ns.hash_version})
-            for c in calls:
-                pipe.evalsha(APPLY_SCRIPT.sha, 1, c.ns.executors, c.ns.prefix, lease_ms, retention_ms,
-                             self.gc_cap, len(c.sections), *c.argv)
+            args = [(APPLY_SCRIPT.sha, 1, c.ns.executors, c.ns.prefix, lease_ms, retention_ms, self.gc_cap,
+                     len(c.sections), *c.argv) for c in calls]
             try:
+                if len(args) == 1 and not fresh:  # the usual flush: one command, no pipeline machinery
+                    replies = [await self.client.evalsha(*args[0])]
+                    break
+                pipe = self.client.pipeline(transaction=False)
+                for ns in fresh:
+                    pipe.sadd(NAMESPACES_KEY, ns.tag)
+                    pipe.hset(ns.meta, mapping={"model_id": ns.model_id, "block_size": ns.block_size,
+                                                "hash_version": ns.hash_version})
+                for a in args:
+                    pipe.evalsha(*a)
                 replies = await pipe.execute()
                 break
             except NoScriptError:  # SCRIPT FLUSH or a fresh server on the same connection
