@@ -14,7 +14,7 @@ TIER_DEVICE = "device"
 TIER_CPU = "cpu"
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class BlockStored:
     executor_id: str
     block_hash: bytes
@@ -25,7 +25,7 @@ class BlockStored:
     tier: str = TIER_DEVICE
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class BlockRemoved:
     executor_id: str
     block_hash: bytes
@@ -33,7 +33,7 @@ class BlockRemoved:
     tier: str = TIER_DEVICE
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class AllCleared:
     executor_id: str
 
