@@ -74,6 +74,10 @@ class Engine:
         self._to_abort: list[int] = []
         self._aborts: dict[str, KvpagerError | None] = {}
         self._executor_updates: list[memory_pb2.ExecutorPoolInfo] | None = None
+        # Stream items (outputs, end markers, errors) not yet handed to their
+        # requests' queues: a step's tokens are released once the next step's
+        # Execute is on its way, so the streams run while the executor computes.
+        self._outbox: list[tuple[asyncio.Queue, object]] = []
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -102,6 +106,7 @@ class Engine:
                 pass
         for req in list(self.requests.values()):
             self._fail_request(req, Unavailable("gateway is shutting down"))
+        self._flush_outbox()
         for ex in self.executors.values():
             await ex.close()
 
@@ -230,6 +235,7 @@ class Engine:
     async def _run(self) -> None:
         while not self._stopping:
             if not self._has_work():
+                self._flush_outbox()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -241,7 +247,8 @@ class Engine:
                 log.exception("engine step failed")
                 err = exc if isinstance(exc, KvpagerError) else Internal("engine step failed")
                 await self._reset(err)
-            await asyncio.sleep(0)  # let streams and new requests run between steps
+                self._flush_outbox()
+            await asyncio.sleep(0)  # let new requests run between steps
 
     async def _reset(self, error: KvpagerError) -> None:
         """A step failed as a whole: end every request, release what we can."""
@@ -273,7 +280,7 @@ class Engine:
                         comp.finish = Finish.ABORT
                         out = take_output(req, comp)
                         if out is not None:
-                            req.outputs.put_nowait(out)
+                            self._emit(req, out)
                 self._end_request(req, abort=True)
             else:
                 self._fail_request(req, error)
@@ -287,6 +294,7 @@ class Engine:
         t0 = time.perf_counter()
         sched_ids, sched_n, new_seqs = self._schedule()
         if not (sched_ids or self._forks or self._appends or self._to_free or self._to_abort):
+            self._flush_outbox()
             if self.seqs:
                 await asyncio.sleep(0.005)  # nothing fits now (waiting for executors)
             return
@@ -302,6 +310,7 @@ class Engine:
             plan = await self.memory.step(request, self.config.step_timeout_s)
         except Unavailable as exc:
             await self._reset(Unavailable(f"memory service unavailable: {exc.message}"))
+            self._flush_outbox()
             return
         self._forks, self._appends, self._to_free, self._to_abort = [], {}, [], []
         for new in new_seqs:
@@ -317,8 +326,9 @@ class Engine:
             exec_req, rows = self._execute_request(ep)
             if rows:
                 calls.append((ex, exec_req, rows))
-        results = await asyncio.gather(*(ex.execute(r, self.config.step_timeout_s) for ex, r, _ in calls),
-                                       return_exceptions=True)
+        tasks = [asyncio.ensure_future(ex.execute(r, self.config.step_timeout_s)) for ex, r, _ in calls]
+        self._flush_outbox()  # the Execute calls go out first; the streams run during the forward
+        results = await asyncio.gather(*tasks, return_exceptions=True)
         t_exec = time.perf_counter()
         for (ex, _, rows), result in zip(calls, results):
             if isinstance(result, BaseException):
@@ -483,7 +493,7 @@ class Engine:
                               self.limits.max_model_len)
         out = take_output(req, comp)
         if out is not None:
-            req.outputs.put_nowait(out)
+            self._emit(req, out)
         if finish is Finish.NONE:
             seq.tokens.append(token)
             self._appends[seq.seq_id] = token
@@ -493,6 +503,15 @@ class Engine:
             self._end_request(req)
 
     # ---- bookkeeping --------------------------------------------------------------
+
+    def _emit(self, req: Request, item) -> None:
+        """Queue a stream item for ``req`` (in order; delivered by ``_flush_outbox``)."""
+        self._outbox.append((req.outputs, item))
+
+    def _flush_outbox(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for queue, item in outbox:
+            queue.put_nowait(item)
 
     def _release(self, seq: Seq, abort: bool = False) -> None:
         """Forget a sequence; the memory service frees it in the next step."""
@@ -509,7 +528,7 @@ class Engine:
             self._release(seq, abort=abort)
         req.done = True
         self.requests.pop(req.request_id, None)
-        req.outputs.put_nowait(_END)
+        self._emit(req, _END)
         metrics.REQUESTS_RUNNING.set(len(self.requests))
         metrics.REQUESTS_FINISHED.labels("abort" if abort else "ok").inc()
 
@@ -524,6 +543,6 @@ class Engine:
                 self._forget(seq_id)
         req.done = True
         self.requests.pop(req.request_id, None)
-        req.outputs.put_nowait(error)
+        self._emit(req, error)
         metrics.REQUESTS_RUNNING.set(len(self.requests))
         metrics.REQUESTS_FINISHED.labels(error.status.lower()).inc()
