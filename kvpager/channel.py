@@ -12,7 +12,8 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-__all__ = ["BoundedCalls", "bearer_interceptors", "ClientTls", "auth_metadata", "channel_options", "make_channel", "wait_for_serving"]
+__all__ = ["BoundedCalls", "ClientTls", "auth_metadata", "bearer_interceptors", "channel_options", "make_channel",
+           "wait_for_serving"]
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 

@@ -26,7 +26,8 @@ import sys
 
 from kvpager.drills import runner as _runner
 from kvpager.drills.common import DrillResult
-from kvpager.drills.runner import DRILLS, Needs, StackOptions, add_option_flags, drill_stack, options_from_args, run_drill
+from kvpager.drills.runner import (DRILLS, Needs, StackOptions, add_option_flags, drill_stack, options_from_args,
+                                   run_drill)
 
 # Not `load` here: importing the submodule kvpager.drills.load rebinds that name.
 _load = _runner.load

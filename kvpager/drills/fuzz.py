@@ -257,7 +257,8 @@ def _fuzz_memory_example(stubs: _Stubs, result: DrillResult, counts: collections
             st_, snap = stubs.memory_call("GetAccounting", memory_pb2.AccountingRequest(executor_id=info.executor_id))
             if st_ == "OK":
                 p = snap.total
-                if p.used_blocks or p.num_sequences or p.num_swapped_sequences or p.swap_free_blocks != p.swap_total_blocks:
+                if (p.used_blocks or p.num_sequences or p.num_swapped_sequences
+                        or p.swap_free_blocks != p.swap_total_blocks):
                     result.violation(f"{info.executor_id} not at baseline after freeing every sequence: "
                                      f"used {p.used_blocks}, sequences {p.num_sequences}, "
                                      f"swap {p.swap_free_blocks}/{p.swap_total_blocks}")
