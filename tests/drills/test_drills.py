@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import assert_ok
+from drill_helpers import assert_ok
 
 from kvpager.drills import Needs, StackOptions, drill_stack, run_drill
 from kvpager.drills.common import Clients, greedy_request

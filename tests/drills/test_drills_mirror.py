@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from conftest import assert_ok
+from drill_helpers import assert_ok
 
 from kvpager.drills import Needs, StackOptions, drill_stack, run_drill
 from kvpager.drills.redis_server import redis_binary
