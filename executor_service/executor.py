@@ -89,24 +89,60 @@ def keep_freed_memory() -> bool:
         return False
 
 
-def cpu_threads() -> int:
-    """Intra-op threads for a CPU executor: every core this process may run
-    on but one, which is left to the control plane.
-
-    The executor shares its machine with the gateway, the memory service and
-    clients; when those run during a forward, an OpenMP region waits at its
-    barrier for the thread they displaced. Measured on the 2-core CI machine
-    (30M Llama, 32 prompts x 64 tokens, in-process executor): under other
-    load, 2 threads took 8-41 s where 1 thread took 4.9-6.6 s. An explicit
-    OMP_NUM_THREADS wins.
-    """
+def thread_candidates() -> tuple[int, ...]:
+    """Intra-op thread counts a CPU executor chooses between: every core this
+    process may run on, and one fewer (left to the control plane). An
+    explicit OMP_NUM_THREADS fixes the count."""
     if os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
+        return (torch.get_num_threads(),)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, cores - 1)
+    return (cores - 1, cores) if cores > 1 else (1,)
+
+
+class ThreadTuner:
+    """Picks the intra-op thread count of each CPU step from measured step times.
+
+    The executor shares its cores with the gateway, the memory service,
+    clients and whatever else the machine runs. On a quiet machine all cores
+    are fastest; when other processes want CPU, every OpenMP region waits at
+    its barrier for the thread they displaced, and one thread fewer is
+    faster. Measured on the 2-core CI machine (30M Llama, 32 prompts x 64
+    tokens): quiet, 2 threads 4.3 s vs 1 thread 5.6 s; under other load, 2
+    threads 8-41 s vs 1 thread 4.9-6.6 s. So each count is timed on the steps
+    it runs, per size class (tokens, in powers of two), the faster one is used,
+    and every ``explore_every``-th step of a class runs another to notice when
+    the load changes.
+    """
+
+    def __init__(self, candidates: tuple[int, ...], explore_every: int = 16, alpha: float = 0.3) -> None:
+        self.candidates = tuple(dict.fromkeys(candidates))
+        self.explore_every = explore_every
+        self.alpha = alpha
+        self._ema: dict[tuple[int, int], float] = {}  # (size class, threads) -> seconds per step
+        self._seen: dict[int, int] = {}               # steps per size class
+
+    def choose(self, num_tokens: int) -> int:
+        if len(self.candidates) == 1:
+            return self.candidates[0]
+        size = num_tokens.bit_length()
+        n = self._seen.get(size, 0)
+        self._seen[size] = n + 1
+        for t in self.candidates:
+            if (size, t) not in self._ema:
+                return t
+        best = min(self.candidates, key=lambda t: self._ema[(size, t)])
+        if n % self.explore_every == 0:
+            others = [t for t in self.candidates if t != best]
+            return others[(n // self.explore_every) % len(others)]
+        return best
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        key = (num_tokens.bit_length(), threads)
+        old = self._ema.get(key)
+        self._ema[key] = seconds if old is None else old + self.alpha * (seconds - old)
 
 
 def _backend_name(requested: str, device: torch.device) -> str:
@@ -123,8 +159,7 @@ class Executor:
         keep_freed_memory()
         self.runner = ModelRunner(config.model, device=config.device, dtype=config.dtype)
         self.device = self.runner.device
-        if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads())
+        self.threads = ThreadTuner(thread_candidates() if self.device.type == "cpu" else (torch.get_num_threads(),))
         self.backend = load_backend(_backend_name(config.attention_backend, self.device))
         if self.backend.name == "triton" and self.device.type != "cuda":
             import os
@@ -158,6 +193,7 @@ class Executor:
         self.model_id = config.model_id or Path(config.model).resolve().name
         self.incarnation = new_incarnation()
         self.pool_generation = 1
+        self.last_step_id = 0  # step_id of the last Execute this pool applied (ConfirmPool; 0 = none)
         self._limits = PoolLimits(
             num_blocks=num_blocks,
             num_swap_blocks=num_swap,
@@ -231,12 +267,15 @@ class Executor:
         touching anything, ResourceExhausted when memory runs out."""
         step = check_step(step, self._limits)
         with self._lock:
+            # Recorded before anything is touched: a ConfirmPool racing this step sees it.
+            self.last_step_id = step.step_id
             try:
                 return self._run(step)
             except Exception as exc:
                 # The pool may hold half-applied moves now: invalidate what
                 # the memory service remembers of it.
                 self.pool_generation += 1
+                self.last_step_id = 0  # a new generation has applied nothing yet
                 if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
                     metrics.FAILED_STEPS.labels(self.executor_id, "error").inc()
                     raise
@@ -258,6 +297,9 @@ class Executor:
         t1 = time.perf_counter()
         n = len(step.seq_ids)
         num_tokens = len(step.token_ids)
+        threads = self.threads.choose(num_tokens)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         sampling = step.sampling
         if num_tokens:
             batch = build_forward_batch(step, self.device)
@@ -278,6 +320,7 @@ class Executor:
             logprobs = np.zeros(0, np.float32) if sampling.return_logprobs else None
             top_ids, top_lps = np.zeros(0, np.int32), np.zeros(0, np.float32)
         t3 = time.perf_counter()
+        self.threads.record(num_tokens, threads, t3 - t1)
         top_offsets = np.zeros(n + 1, np.int32)
         np.cumsum(top_counts, out=top_offsets[1:])
 
