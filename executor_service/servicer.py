@@ -144,4 +144,5 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
             confirmed=executor.confirm_pool(request.incarnation, request.pool_generation),
             incarnation=executor.incarnation,
             pool_generation=executor.pool_generation,
+            last_step_id=executor.last_step_id,
         )

@@ -101,8 +101,10 @@ class MemoryServer:
         log.info("mirror recovery done", restored=report.restored, dropped=report.dropped,
                  blocks=report.num_blocks)
 
-    async def _confirm_pool(self, address: str, incarnation: int, pool_generation: int, timeout_s: float) -> bool:
-        """ExecutorService.ConfirmPool over this service's TLS and admin token."""
+    async def _confirm_pool(self, address: str, incarnation: int, pool_generation: int,
+                            timeout_s: float) -> int | None:
+        """ExecutorService.ConfirmPool over this service's TLS and admin token: the pool's last
+        applied step id, None when not confirmed (recovery.ConfirmFn)."""
         import grpc
 
         from kvpager.channel import make_channel
@@ -115,8 +117,10 @@ class MemoryServer:
                     timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:
                 log.info("ConfirmPool failed", address=address, code=exc.code().name)
-                return False
-        return reply.confirmed and reply.incarnation == incarnation and reply.pool_generation == pool_generation
+                return None
+        if reply.confirmed and reply.incarnation == incarnation and reply.pool_generation == pool_generation:
+            return reply.last_step_id
+        return None
 
     async def _reap(self) -> None:
         while True:

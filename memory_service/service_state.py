@@ -105,7 +105,8 @@ class MemoryState:
         for _, mode in out.preempted:
             PREEMPTIONS.labels(mode.value).inc()
         if self.mirror is not None:
-            self.mirror.on_step()
+            # Step fencing: the executors the gateway will Execute this step on (a plan with rows).
+            self.mirror.on_step(step.step_id, [p.executor_id for p in out.executor_plans if len(p.seq_ids)])
         return out
 
     def fork(self, parent_id: int, child_ids: list[int]) -> int:

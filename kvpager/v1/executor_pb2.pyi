@@ -126,11 +126,13 @@ class ConfirmPoolRequest(_message.Message):
     def __init__(self, incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ...) -> None: ...
 
 class ConfirmPoolResponse(_message.Message):
-    __slots__ = ("confirmed", "incarnation", "pool_generation")
+    __slots__ = ("confirmed", "incarnation", "pool_generation", "last_step_id")
     CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     confirmed: bool
     incarnation: int
     pool_generation: int
-    def __init__(self, confirmed: _Optional[bool] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ...) -> None: ...
+    last_step_id: int
+    def __init__(self, confirmed: _Optional[bool] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...

@@ -64,14 +64,20 @@ class ScriptCall:
         self.argv: list = []
         self.sections: list[tuple[str, str, int, int]] = []  # kind, executor, incarnation, num_ops
 
-    def batch(self, executor_id: str, incarnation: int, batch: int, ops: list[bytes]) -> None:
-        self.argv += ("B", executor_id, str(incarnation), batch, len(ops), b"".join(ops))
+    def batch(self, executor_id: str, incarnation: int, batch: int, ops: list[bytes],
+              last_step_id: int | None = None) -> None:
+        """A batch; `last_step_id` (when given) is written into the record with it."""
+        step = "" if last_step_id is None else str(last_step_id)
+        self.argv += ("B", executor_id, str(incarnation), batch, len(ops), b"".join(ops), step)
         self.sections.append(("B", executor_id, incarnation, len(ops)))
 
-    def reset(self, spec: ExecutorSpec, batch: int) -> None:
-        self.argv += ("R", spec.executor_id, str(spec.incarnation), batch, len(SPEC_FIELDS))
+    def reset(self, spec: ExecutorSpec, batch: int, last_step_id: int | None = None) -> None:
+        extra = () if last_step_id is None else (("last_step_id", str(last_step_id)),)
+        self.argv += ("R", spec.executor_id, str(spec.incarnation), batch, len(SPEC_FIELDS) + len(extra))
         for name in SPEC_FIELDS:
             self.argv += (name, getattr(spec, name))
+        for pair in extra:
+            self.argv += pair
         self.sections.append(("R", spec.executor_id, spec.incarnation, 0))
 
     def renew(self, executor_id: str, incarnation: int, address: str) -> None:

@@ -9,6 +9,14 @@ confirmed one registers the recorded spec and rebuilds its cached blocks
 its reverse index and block records. Anything unconfirmable (unreachable,
 another incarnation or generation, a malformed record) is dropped from the
 mirror and never served.
+
+Step fencing: the mirror is write-behind, so a plan may have been executed
+(a block overwritten) before its events reached Redis, or published before it
+was executed. The record's `last_step_id` is the step_id of the last Step
+that gave this executor rows and whose events are all in Redis; ConfirmPool
+answers the step_id of the last Execute the pool applied. Only when the two
+are equal does the mirror describe the pool's contents; otherwise the
+executor is dropped like an unconfirmed pool.
 """
 
 from __future__ import annotations
@@ -35,8 +43,16 @@ from memory_service.service_state import MemoryState
 
 log = get_logger("memory_service.mirror")
 
-# (address, incarnation, pool_generation, timeout_s) -> confirmed
-ConfirmFn = Callable[[str, int, int, float], Awaitable[bool]]
+# (address, incarnation, pool_generation, timeout_s) -> None / False: not confirmed; an int: confirmed,
+# the step_id of the last Execute the pool applied; True: confirmed, no Execute applied (step 0).
+ConfirmFn = Callable[[str, int, int, float], Awaitable["bool | int | None"]]
+
+
+def confirmed_step(answer: bool | int | None) -> int | None:
+    """A ConfirmFn's answer as the executor's last applied step id (None: not confirmed)."""
+    if answer is None or answer is False:
+        return None
+    return 0 if answer is True else int(answer)
 
 _NO_PARENT = b"-" * 64
 _INT_FIELDS = ("num_blocks", "block_size", "num_swap_blocks", "pool_generation", "max_model_len", "vocab_size")
@@ -52,19 +68,21 @@ class RecoveryReport:
         return sum(self.restored.values())
 
 
-async def confirm_pool_grpc(address: str, incarnation: int, pool_generation: int, timeout_s: float) -> bool:
-    """ExecutorService.ConfirmPool at `address`; False on any failure."""
+async def confirm_pool_grpc(address: str, incarnation: int, pool_generation: int, timeout_s: float) -> int | None:
+    """ExecutorService.ConfirmPool at `address`: the pool's last applied step id, None when not confirmed."""
     channel = make_channel(address)
     try:
         stub = executor_pb2_grpc.ExecutorServiceStub(channel)
         reply = await stub.ConfirmPool(
             executor_pb2.ConfirmPoolRequest(incarnation=incarnation, pool_generation=pool_generation),
             timeout=timeout_s)
-        return (reply.confirmed and reply.incarnation == incarnation
-                and reply.pool_generation == pool_generation)
+        if (reply.confirmed and reply.incarnation == incarnation
+                and reply.pool_generation == pool_generation):
+            return reply.last_step_id
+        return None
     except grpc.aio.AioRpcError as exc:
         log.info("ConfirmPool failed", address=address, code=exc.code().name)
-        return False
+        return None
     finally:
         await channel.close()
 
@@ -136,12 +154,21 @@ async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmF
     async def check(ns: Namespace, eid: str, rec: dict[str, str]) -> tuple[ExecutorSpec | None, str]:
         try:
             spec = spec_from_record(eid, rec)
+            published = int(rec.get("last_step_id") or 0)
         except (KeyError, ValueError) as exc:
             return None, f"malformed record: {exc}"
         if not spec.address:
             return None, "no address to confirm with"
-        if not await confirm(spec.address, spec.incarnation, spec.pool_generation, confirm_timeout_s):
+        applied = confirmed_step(await confirm(spec.address, spec.incarnation, spec.pool_generation,
+                                               confirm_timeout_s))
+        if applied is None:
             return None, "not confirmed by the executor"
+        if applied > published:
+            return None, (f"step fence: the executor applied step {applied}, the mirror was flushed "
+                          f"only up to step {published}")
+        if applied != published:
+            return None, (f"step fence: the mirror holds step {published}, the executor applied only "
+                          f"step {applied}")
         return spec, ""
 
     checks = await asyncio.gather(*(check(ns, eid, rec) for ns, eid, rec in records))
@@ -155,6 +182,7 @@ async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmF
                 why = "re-registered with another pool during recovery"
             else:
                 state.register_executor(spec)
+                writer.restore_step(eid, int(rec.get("last_step_id") or 0))  # the rewritten record keeps it
                 pool = state.manager.executors[eid].pool
                 entries.sort(key=lambda e: -e[0])  # deepest first: evicted before their prefixes
                 n = sum(pool.restore_cached(h, block_id, tokens, parent, depth)

@@ -5,7 +5,7 @@ ARGV; KEYS[1] (the namespace's executor set) pins the call to the
 namespace's slot, and every derived key shares its hash tag.
 
 APPLY — ARGV: prefix, lease_ms, retention_ms, gc_cap, num_sections, sections…
-  B executor_id incarnation batch num_ops blob   a batch of KV events, packed in one string:
+  B executor_id incarnation batch num_ops blob step   a batch of KV events, packed in one string:
       S<hash><parent><depth><block_id><tier><n><tokens>  stored (F: the same without parent)
       X<hash>                                            removed
       C                                                  all cleared
@@ -14,6 +14,8 @@ APPLY — ARGV: prefix, lease_ms, retention_ms, gc_cap, num_sections, sections�
       applied only when the record's incarnation is ours and batch == last_batch + 1;
       replies ok | dup (batch <= last: a retry, no-op) | gap (resync needed) |
       stale (another incarnation's record: rejected) | missing (no record: resync)
+      step: '' or the step_id written as the record's last_step_id when the batch
+      is applied (step fencing: every event of that step is in this or an earlier batch)
   R executor_id incarnation batch num_fields field value…   (re)start an executor's record:
       fences every earlier incarnation at once, retires the old reverse indexes
       for cleanup, last_batch = batch; the caller follows with B batches
@@ -83,8 +85,8 @@ for _ = 1, tonumber(ARGV[5]) do
   local kind, e = ARGV[i], ARGV[i + 1]
   i = i + 2
   if kind == 'B' then
-    local inc, b, blob = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 3]
-    i = i + 4
+    local inc, b, blob, step = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 3], ARGV[i + 4]
+    i = i + 5
     local rec = redis.call('HMGET', exkey(e), 'incarnation', 'last_batch')
     local status
     if not rec[1] then status = 'missing'
@@ -138,7 +140,10 @@ for _ = 1, tonumber(ARGV[5]) do
       end
     end
     zflush()
-    if apply then redis.call('HSET', exkey(e), 'last_batch', b) end
+    if apply then
+      if step ~= '' then redis.call('HSET', exkey(e), 'last_batch', b, 'last_step_id', step)
+      else redis.call('HSET', exkey(e), 'last_batch', b) end
+    end
     out[#out + 1] = status
   elseif kind == 'R' then
     local inc, b, nf = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis.asyncio
@@ -96,6 +97,10 @@ class MirrorWriter:
         self._drops: dict[tuple[str, str], tuple[Namespace, int | None]] = {}
         self._renew: set[str] = set()
         self._batch: dict[str, int] = {}                     # last batch number given out
+        # Step fencing: executor -> step_id of the latest Step whose plan gave it rows (what the
+        # gateway executes there), and the executors whose step id is not in Redis yet.
+        self._steps: dict[str, int] = {}
+        self._step_dirty: set[str] = set()
         self._gc: dict[str, Namespace] = {}                  # namespaces with retired indexes left
         self._announced: set[str] = set()
         self._connected = False
@@ -113,8 +118,21 @@ class MirrorWriter:
 
     # ---- hooks: called by MemoryState on the request path; O(1), no I/O -------------
 
-    def on_step(self) -> None:
+    def on_step(self, step_id: int | None = None, executor_ids: Iterable[str] = ()) -> None:
+        """After a Step (or Fork / Free: no step id). `executor_ids`: the
+        executors whose plan of step `step_id` has rows. The next flush writes
+        that step id into their records as `last_step_id` together with every
+        event emitted so far (restart recovery compares it with ConfirmPool's)."""
+        if step_id is not None:
+            for eid in executor_ids:
+                self._steps[eid] = step_id
+                self._step_dirty.add(eid)
         self._wake.set()
+
+    def restore_step(self, executor_id: str, step_id: int) -> None:
+        """Recovery: the last_step_id the recovered record holds, so the rewrite keeps it."""
+        self._steps[executor_id] = step_id
+        self._step_dirty.add(executor_id)
 
     def on_register(self, spec: ExecutorSpec, replaced: bool) -> None:
         eid = spec.executor_id
@@ -124,16 +142,21 @@ class MirrorWriter:
             self._drops[(cur.ns.tag, eid)] = (cur.ns, cur.incarnation)
             del self._mirrored[eid]
             cur = None
-        if (cur is not None and not replaced and cur.incarnation == spec.incarnation
-                and cur.pool_generation == spec.pool_generation):
+        same_pool = cur is not None and (cur.incarnation, cur.pool_generation) == (spec.incarnation,
+                                                                                    spec.pool_generation)
+        if same_pool and not replaced:
             self._renew.add(eid)  # the same pool again: refresh lease and address
         else:
             self._resync.add(eid)
+            if not same_pool:  # a pool this process has planned nothing for yet
+                self._steps.pop(eid, None)
         self._wake.set()
 
     def on_deregister(self, executor_id: str) -> None:
         self._resync.discard(executor_id)
         self._pending.pop(executor_id, None)
+        self._steps.pop(executor_id, None)
+        self._step_dirty.discard(executor_id)
         cur = self._mirrored.pop(executor_id, None)
         if cur is not None:
             self._drops[(cur.ns.tag, executor_id)] = (cur.ns, cur.incarnation)
@@ -170,6 +193,7 @@ class MirrorWriter:
 
     def _synced(self) -> bool:
         return (self._connected and not self._busy and not self._resync and not self._pending
+                and not self._step_dirty
                 and not self._drops and not self._gc and not len(self.events)
                 and self._applied_upto == self.events.num_emitted)
 
@@ -362,6 +386,10 @@ class MirrorWriter:
         for (_, eid), (ns, inc) in drops.items():
             call(ns).drop(eid, inc)
 
+        # Step fencing: an executor's last_step_id rides on its LAST batch of this flush (or on
+        # its reset when nothing follows), so Redis never claims a step whose events it lacks.
+        steps = self._steps
+        dirty, self._step_dirty = self._step_dirty, set()
         jobs = []
         resync, self._resync = self._resync, set()
         for eid in sorted(resync):
@@ -372,21 +400,26 @@ class MirrorWriter:
             ns = namespace_of(spec)
             snapshot = list(self._shadow.get(eid, {}).values())
             chunks = self._chunks(snapshot) if snapshot else []
-            call(ns).reset(spec, self._next_batch(eid))
+            step = steps.get(eid, 0)
+            call(ns).reset(spec, self._next_batch(eid), None if chunks else step)
             if chunks:
-                jobs.append((ns, eid, spec.incarnation, self._next_batch(eid, len(chunks)), chunks, True))
+                jobs.append((ns, eid, spec.incarnation, self._next_batch(eid, len(chunks)), chunks, True, step))
             self._mirrored[eid] = _Mirrored(ns, spec.incarnation, spec.pool_generation)
             self._pending.pop(eid, None)
             self.num_resyncs += 1
             m.RESYNCS.inc()
 
         pending, self._pending = self._pending, {}
+        for eid in dirty:  # a step without events for it: an empty batch carries the step id
+            if eid in self._mirrored and eid not in resync and eid not in pending:
+                pending[eid] = []
         for eid, ops in pending.items():
             cur = self._mirrored[eid]
+            step = steps.get(eid)
             first, *rest = self._chunks(ops)
-            call(cur.ns).batch(eid, cur.incarnation, self._next_batch(eid), first)
+            call(cur.ns).batch(eid, cur.incarnation, self._next_batch(eid), first, None if rest else step)
             if rest:  # a burst: the rest follows in calls of its own, so no call blocks Redis for long
-                jobs.append((cur.ns, eid, cur.incarnation, self._next_batch(eid, len(rest)), rest, False))
+                jobs.append((cur.ns, eid, cur.incarnation, self._next_batch(eid, len(rest)), rest, False, step))
 
         renew, self._renew = self._renew, set()
         for eid in renew:
@@ -400,16 +433,17 @@ class MirrorWriter:
         try:
             if calls:
                 await self._send(list(calls.values()))
-            self._resyncing = any(job[-1] for job in jobs)
-            for ns, eid, inc, first, chunks, _ in jobs:
+            self._resyncing = any(job[5] for job in jobs)
+            for ns, eid, inc, first, chunks, _, step in jobs:
                 for k, chunk in enumerate(chunks):
                     c = ScriptCall(ns)
-                    c.batch(eid, inc, first + k, chunk)
+                    c.batch(eid, inc, first + k, chunk, step if k == len(chunks) - 1 else None)
                     if not await self._send([c]):
                         break
         except BaseException:
             self._drops = {**drops, **self._drops}
             self._renew |= renew
+            self._step_dirty |= dirty
             raise
         self.num_flushes += 1
         if not self._resync:

@@ -27,10 +27,12 @@ PROMPT = list(range(1, 14))  # 3 full blocks of 4 (+1 token that is always recom
 
 
 class FakeExecutor(executor_pb2_grpc.ExecutorServiceServicer):
-    """Stands in for an executor: answers ConfirmPool only."""
+    """Stands in for an executor: answers ConfirmPool only (`last_step_id`: the last Execute it "applied")."""
 
-    def __init__(self, incarnation: int, pool_generation: int, *, confirm: bool = True) -> None:
+    def __init__(self, incarnation: int, pool_generation: int, *, confirm: bool = True,
+                 last_step_id: int = 0) -> None:
         self.incarnation, self.pool_generation, self.confirm = incarnation, pool_generation, confirm
+        self.last_step_id = last_step_id
         self.gate = asyncio.Event()
         self.gate.set()
         self.calls = 0
@@ -41,7 +43,8 @@ class FakeExecutor(executor_pb2_grpc.ExecutorServiceServicer):
         ok = self.confirm and (request.incarnation, request.pool_generation) == (self.incarnation,
                                                                                  self.pool_generation)
         return executor_pb2.ConfirmPoolResponse(confirmed=ok, incarnation=self.incarnation,
-                                                pool_generation=self.pool_generation)
+                                                pool_generation=self.pool_generation,
+                                                last_step_id=self.last_step_id)
 
 
 async def serve_fake(fake: FakeExecutor) -> tuple[grpc.aio.Server, str]:
@@ -193,6 +196,7 @@ async def test_restart_recovery_rebuilds_confirmed_executors_only(redis_proc):
     await c.close()
     await first.stop(0)
 
+    good.last_step_id = 2  # e0 executed steps 1 and 2, all flushed: the step fence passes
     good.gate.clear()  # hold e0's confirmation: the new service must not serve yet
     second = MemoryServer(config)
     starting = asyncio.create_task(second.start())

@@ -1,0 +1,161 @@
+"""Step fencing of restart recovery (docs/mirror.md): the executor record's
+`last_step_id` names the last Step with rows for that executor whose events
+are all in Redis; recovery restores an executor only when ConfirmPool's
+last applied step id equals it. Real redis-server, in-process memory state."""
+
+from __future__ import annotations
+
+import pytest
+from mirror_helpers import Stepper, make_state, spec, start_writer, sync_client
+
+from memory_service.mirror.batch import namespace_of
+from memory_service.mirror.recovery import recover
+from memory_service.records import StepInput
+
+PROMPT = list(range(1, 14))  # 3 full blocks of 4 (+1)
+ADDRESS = "127.0.0.1:1"      # recovery needs an address; the confirm stand-in never dials it
+
+
+def recorded_step(url: str, executor_id: str = "e0") -> int | None:
+    raw = sync_client(url).hget(namespace_of(spec(executor_id)).executor(executor_id), "last_step_id")
+    return None if raw is None else int(raw)
+
+
+def answering(last_step_id):
+    calls = []
+
+    async def confirm(address, incarnation, pool_generation, timeout_s):
+        calls.append((address, incarnation, pool_generation))
+        return last_step_id
+
+    confirm.calls = calls
+    return confirm
+
+
+async def _recover(url: str, confirm):
+    state = make_state()
+    writer = await start_writer(state, url)
+    report = await recover(state, writer, confirm=confirm)
+    await writer.sync()
+    return state, writer, report
+
+
+async def test_record_follows_the_steps_that_gave_the_executor_rows(redis_proc):
+    state = make_state()
+    writer = await start_writer(state, redis_proc.url)
+    state.register_executor(spec("e0", address=ADDRESS, num_blocks=32))
+    state.register_executor(spec("e1", address=ADDRESS, num_blocks=32))
+    steps = Stepper(state)
+    await writer.sync()
+    assert recorded_step(redis_proc.url) in (None, 0)
+
+    seq = steps.prefill("e0", PROMPT)                       # step 1: rows on e0
+    await writer.sync()
+    assert (recorded_step(redis_proc.url), recorded_step(redis_proc.url, "e1")) == (1, 0)
+
+    steps.prefill("e1", PROMPT)                             # step 2: rows on e1 only
+    await writer.sync()
+    assert (recorded_step(redis_proc.url), recorded_step(redis_proc.url, "e1")) == (1, 2)
+
+    # step 3: a decode of one token on e0 fills no block (no event), but the gateway executes it
+    emitted = state.manager.events.num_emitted
+    state.step(StepInput(3, appended_seq_ids=[seq], appended_offsets=[0, 1], appended_tokens=[7],
+                         schedule_seq_ids=[seq], schedule_num_tokens=[1]))
+    assert state.manager.events.num_emitted == emitted
+    await writer.sync()
+    assert recorded_step(redis_proc.url) == 3
+
+    state.step(StepInput(4, free_seq_ids=[seq]))          # no rows: nothing executed, the record keeps 3
+    await writer.sync()
+    assert recorded_step(redis_proc.url) == 3
+    await writer.stop()
+    state.close()
+
+
+async def test_a_burst_carries_the_step_id_on_its_last_chunk_only(redis_proc):
+    state = make_state()
+    writer = await start_writer(state, redis_proc.url, chunk_blocks=2)
+    state.register_executor(spec("e0", address=ADDRESS, num_blocks=64, max_model_len=200))
+    await writer.sync()
+    sent = []
+    real_send = writer._send
+
+    async def spy(calls):
+        for c in calls:
+            a = c.argv
+            sent.extend(a[j + 6] for j in range(len(a) - 6) if a[j] == "B" and a[j + 1] == "e0")
+        return await real_send(calls)
+
+    writer._send = spy
+    Stepper(state).prefill("e0", list(range(100, 141)))  # 10 full blocks: 5 batches of 2
+    await writer.sync()
+    assert len(sent) == 5 and sent[:-1] == [""] * 4 and sent[-1] == "1"
+    assert recorded_step(redis_proc.url) == 1
+    await writer.stop()
+    state.close()
+
+
+@pytest.mark.parametrize("applied, restored", [
+    (3, True),    # the executor applied exactly what was published
+    (5, False),   # it executed step 5, whose events never reached Redis (the write-behind hole)
+    (1, False),   # the mirror holds step 3, which the executor never applied
+    (None, False),
+])
+async def test_recovery_restores_only_when_the_executor_applied_what_was_published(redis_proc, applied,
+                                                                                     restored):
+    state = make_state()
+    writer = await start_writer(state, redis_proc.url)
+    state.register_executor(spec("e0", address=ADDRESS, num_blocks=32))
+    steps = Stepper(state)
+    steps.free(steps.prefill("e0", PROMPT))               # steps 1 (rows) and 2 (a free: no rows)
+    steps.free(steps.prefill("e0", [9] * 9))             # steps 3 (rows) and 4
+    await writer.sync()
+    assert recorded_step(redis_proc.url) == 3
+    # Step 5 is planned (and, say, executed), then the memory service dies before its flush.
+    steps.prefill("e0", [5] * 13)
+    await writer.abort()
+    assert recorded_step(redis_proc.url) == 3
+    state.close()
+
+    confirm = answering(applied)
+    state2, writer2, report = await _recover(redis_proc.url, confirm)
+    try:
+        assert len(confirm.calls) == 1
+        if restored:
+            assert report.restored == {"e0": 5} and not report.dropped
+            assert recorded_step(redis_proc.url) == 3  # the rewritten record keeps the fence
+        else:
+            assert report.restored == {} and "e0" in report.dropped
+            assert ("step fence" in report.dropped["e0"]) == (applied is not None)
+            assert "e0" not in state2.manager.executors
+            assert sync_client(redis_proc.url).exists(namespace_of(spec()).executor("e0")) == 0
+    finally:
+        await writer2.stop()
+        state2.close()
+
+
+async def test_an_idle_executor_recovers_across_two_restarts(redis_proc):
+    state = make_state()
+    writer = await start_writer(state, redis_proc.url)
+    state.register_executor(spec("e0", address=ADDRESS, num_blocks=32))
+    steps = Stepper(state)
+    steps.step_id = 40
+    steps.free(steps.prefill("e0", PROMPT))               # step 41 has rows
+    await writer.stop()                                    # a clean stop: everything flushed
+    state.close()
+    for _ in range(2):  # the first recovery must keep last_step_id for the second one
+        state, writer, report = await _recover(redis_proc.url, answering(41))
+        assert report.restored == {"e0": 3}, report
+        assert recorded_step(redis_proc.url) == 41
+        await writer.abort()
+        state.close()
+    # An executor that never stepped (step 0 on both sides; a bare True is step 0) recovers too.
+    state = make_state()
+    writer = await start_writer(state, redis_proc.url)
+    state.register_executor(spec("e1", incarnation=7, address=ADDRESS, num_blocks=32))
+    await writer.stop()
+    state.close()
+    state, writer, report = await _recover(redis_proc.url, answering(True))
+    assert "e1" in report.restored and "e0" in report.dropped  # e0's 41 != 0
+    await writer.stop()
+    state.close()
