@@ -324,7 +324,9 @@ class Engine:
             if ex is None or not ex.alive:
                 continue
             exec_req, rows = self._execute_request(ep)
-            if rows:
+            ops = ep.cache_ops
+            if rows or ops.copy_src or ops.swap_out_src or ops.swap_in_src:
+                # a plan with only cache ops (a swap-out of a preempted sequence) must still run
                 calls.append((ex, exec_req, rows))
         tasks = [asyncio.ensure_future(ex.execute(r, self.config.step_timeout_s)) for ex, r, _ in calls]
         self._flush_outbox()  # the Execute calls go out first; the streams run during the forward
