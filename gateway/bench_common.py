@@ -102,7 +102,7 @@ def make_dataset(name: str, num_prompts: int, *, token_lo: int, token_hi: int, s
     sharegpt-like: lognormal lengths with ShareGPT's means (input 161, output 338),
         each request's input + output capped at ``max_len``.
     prefix-repetition: ``num_prefixes`` shared prefixes of ``prefix_len`` tokens, each
-        followed by a distinct suffix of ``suffix_len`` tokens (prompts interleave the groups).
+        followed by a distinct suffix of ``suffix_len`` tokens (groups in shuffled order).
     shared-system-prompt: one system prompt of ``prefix_len`` tokens + a distinct
         user turn of ``input_len`` (± range_ratio) tokens.
     """
@@ -124,8 +124,9 @@ def make_dataset(name: str, num_prompts: int, *, token_lo: int, token_hi: int, s
             out.append(BenchRequest(toks(n_in), n_out))
     elif name == "prefix-repetition":
         prefixes = [toks(prefix_len) for _ in range(num_prefixes)]
-        for i in range(num_prompts):
-            g = i % num_prefixes
+        groups = [i % num_prefixes for i in range(num_prompts)]
+        rng.shuffle(groups)  # a trace's order is not aligned with any executor count
+        for g in groups:
             out.append(BenchRequest(prefixes[g] + toks(suffix_len), _uniform_len(rng, output_len, range_ratio), g))
     elif name == "shared-system-prompt":
         system = toks(prefix_len)

@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--load-weight-tokens", type=float, default=16.0,
                    help="routing: one queued sequence costs this many prefix tokens")
     p.add_argument("--redis-url", default=None, help="score prefixes from the Redis mirror")
+    p.add_argument("--routing", choices=("prefix", "round-robin"), default="prefix",
+                   help="how requests pick an executor: longest cached prefix vs load (default), or in turn")
     p.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="longest prompt accepted, in tokens (default 0: the context limit - 1)")
     p.add_argument("--step-timeout-s", type=float, default=120.0,
@@ -46,6 +48,7 @@ def config_from_args(args: argparse.Namespace):
     security = security_from_args(args)
     return GatewayConfig(model=args.model, memory_address=args.memory_address, host=args.host, port=args.port,
                          metrics_port=args.metrics_port, grace_s=args.grace_s, redis_url=args.redis_url,
+                         routing=args.routing,
                          max_message_bytes=args.max_message_bytes, tls=security.server_tls(),
                          client_tls=security.client_tls(), auth_token=security.auth_token,
                          admin_token=security.admin_token,

@@ -3,11 +3,82 @@ longest prefix of its prompt, weighed against how busy each one is."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from kvpager.errors import Unavailable
 from kvpager.packed import pack_i32
 from kvpager.telemetry import get_logger
 
 log = get_logger("gateway.router")
+
+
+class RoundRobinRouter:
+    """Executors in turn, ignoring prefixes and load (the baseline routing)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._next = 0
+
+    async def choose(self, prompt_ids: list[int], cache_salt: str) -> str:
+        alive = sorted(eid for eid, ex in self.engine.executors.items() if ex.alive)
+        if not alive:
+            raise Unavailable("no executor is serving", retry_after_s=1.0)
+        self._next += 1
+        return alive[(self._next - 1) % len(alive)]
+
+
+ROUTINGS = ("prefix", "round-robin")
+
+
+def make_router(routing: str, engine, load_weight_tokens: float = 16.0, redis_url: str | None = None):
+    """The router a gateway config names: "prefix" (default) or "round-robin"."""
+    if routing == "round-robin":
+        return RoundRobinRouter(engine)
+    if routing == "prefix":
+        return PrefixAwareRouter(engine, load_weight_tokens, redis_url)
+    raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+
+
+class RoutedPrefixes:
+    """The executors recent requests were sent to, by prompt prefix (whole
+    blocks), kept for the prompts the memory service has not computed yet.
+
+    Requests arriving together all find an empty prefix index (their
+    prefixes are computed a step or more after routing), so scoring by the
+    memory service alone spreads one prefix over several executors, each then
+    holding and evicting a copy. Like SGLang's cache-aware router, routing
+    also counts the prefixes it has already sent somewhere. A hint only: the
+    memory service's hit counts win when larger. Bounded LRU of block-prefix keys.
+    """
+
+    def __init__(self, block_size: int = 16, max_entries: int = 1 << 16) -> None:
+        self.block_size = block_size
+        self.max_entries = max_entries
+        self._owner: OrderedDict[int, str] = OrderedDict()  # chained block-prefix hash -> executor id
+
+    def _keys(self, prompt_ids: list[int], cache_salt: str) -> list[int]:
+        bs, h, keys = self.block_size, hash(cache_salt), []
+        for i in range(len(prompt_ids) // bs):
+            h = hash((h, tuple(prompt_ids[i * bs:(i + 1) * bs])))
+            keys.append(h)
+        return keys
+
+    def hits(self, prompt_ids: list[int], cache_salt: str) -> dict[str, int]:
+        """executor -> prompt tokens of the longest block prefix last routed there."""
+        best: dict[str, int] = {}
+        for i, key in enumerate(self._keys(prompt_ids, cache_salt)):
+            owner = self._owner.get(key)
+            if owner is None:
+                break
+            best[owner] = (i + 1) * self.block_size
+        return best
+
+    def record(self, prompt_ids: list[int], cache_salt: str, executor_id: str) -> None:
+        for key in self._keys(prompt_ids, cache_salt):
+            self._owner[key] = executor_id
+            self._owner.move_to_end(key)
+        while len(self._owner) > self.max_entries:
+            self._owner.popitem(last=False)
 
 
 class PrefixAwareRouter:
@@ -19,6 +90,7 @@ class PrefixAwareRouter:
         self.load_weight_tokens = load_weight_tokens
         self.redis_url = redis_url  # score from the Redis mirror instead of the memory service
         self.prefix_reader = None   # built once an executor tells the hash namespace
+        self.routed = RoutedPrefixes()
 
     async def choose(self, prompt_ids: list[int], cache_salt: str) -> str:
         alive = sorted(eid for eid, ex in self.engine.executors.items() if ex.alive)
@@ -27,11 +99,15 @@ class PrefixAwareRouter:
         if len(alive) == 1:
             return alive[0]
         hits = await self._hits(prompt_ids, cache_salt)
+        for eid, n in self.routed.hits(prompt_ids, cache_salt).items():
+            hits[eid] = max(hits.get(eid, 0), n)
 
         def cost(eid: str) -> tuple[float, str]:
             return (len(prompt_ids) - hits.get(eid, 0) + self.load_weight_tokens * self.engine.load(eid), eid)
 
-        return min(alive, key=cost)
+        chosen = min(alive, key=cost)
+        self.routed.record(prompt_ids, cache_salt, chosen)
+        return chosen
 
     async def _hits(self, prompt_ids: list[int], cache_salt: str) -> dict[str, int]:
         try:

@@ -13,7 +13,7 @@ from kvpager.telemetry import get_logger
 from kvpager.v1 import gateway_pb2_grpc
 from gateway.clients import MemoryClient
 from gateway.engine import Engine, EngineConfig
-from gateway.router import PrefixAwareRouter
+from gateway.router import make_router
 from gateway.servicer import GatewayServicer
 
 log = get_logger("gateway")
@@ -31,6 +31,7 @@ class GatewayConfig:
     grace_s: float = 5.0
     max_message_bytes: int = 16 * 2**20
     redis_url: str | None = None                # route by the Redis mirror instead of ScorePrefix RPCs
+    routing: str = "prefix"                     # "prefix" (prefix-aware, load-balanced) | "round-robin"
     tls: TlsConfig | None = None                # serve TLS (mTLS with require_client_auth); None = insecure
     client_tls: ClientTls | None = None         # TLS to the memory service and executors
     auth_token: str | None = field(default=None, repr=False)   # required from clients (bearer)
@@ -51,7 +52,7 @@ class GatewayServer:
         self.memory = MemoryClient(config.memory_address, tls=config.client_tls, token=config.admin_token)
         self.engine = Engine(config.engine, self.memory, self.tokenizer, executor_tls=config.client_tls,
                              executor_token=config.admin_token)
-        self.router = PrefixAwareRouter(self.engine, config.engine.load_weight_tokens, config.redis_url)
+        self.router = make_router(config.routing, self.engine, config.engine.load_weight_tokens, config.redis_url)
         self.runtime = ServiceRuntime("gateway", host=config.host, port=config.port,
                                       metrics_port=config.metrics_port, grace_s=config.grace_s,
                                       max_message_bytes=config.max_message_bytes, tls=config.tls,
