@@ -18,7 +18,8 @@ from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kvpager.errors import (DeadlineExceeded, Internal, KvpagerError, ResourceExhausted, Unavailable,
+from kvpager.errors import (DeadlineExceeded, FailedPrecondition, Internal, KvpagerError, NotFound,
+                            ResourceExhausted, Unavailable,
                             error_for_status)
 from kvpager.packed import array_bytes, pack_i32, pack_i64, unpack_f32, unpack_i32, unpack_i64
 from kvpager.telemetry import get_logger
@@ -250,14 +251,17 @@ class Engine:
                 self._flush_outbox()
             await asyncio.sleep(0)  # let new requests run between steps
 
-    async def _reset(self, error: KvpagerError) -> None:
-        """A step failed as a whole: end every request, release what we can."""
+    async def _reset(self, error: KvpagerError, release: bool | None = None) -> None:
+        """A step failed as a whole: end every request, release what we can
+        (best effort, one sequence at a time: some may be unknown by now)."""
         created = [s.seq_id for s in self.seqs.values() if s.created]
         for req in list(self.requests.values()):
             self._fail_request(req, error, release=False)
         self.seqs.clear()
         self._forks, self._appends, self._to_free, self._to_abort = [], {}, [], []
-        if created and not isinstance(error, Unavailable):
+        if release is None:
+            release = not isinstance(error, Unavailable)
+        if created and release:
             for seq_id in created:
                 try:
                     await self.memory.free([seq_id], abort=True)
@@ -310,6 +314,18 @@ class Engine:
             plan = await self.memory.step(request, self.config.step_timeout_s)
         except Unavailable as exc:
             await self._reset(Unavailable(f"memory service unavailable: {exc.message}"))
+            self._flush_outbox()
+            return
+        except (NotFound, FailedPrecondition) as exc:
+            # The memory service no longer holds what we think it does: it restarted (and
+            # recovered, or not, from the mirror) or an executor was dropped and is
+            # re-registering. Retryable for clients; re-read the executors before routing again.
+            log.warning("memory service state diverged from the gateway's; resetting", error=exc.message)
+            await self._reset(Unavailable(f"serving state was reset ({exc.message}); retry"), release=True)
+            try:
+                await self._apply_executor_list(await self.memory.list_executors())
+            except KvpagerError:
+                pass
             self._flush_outbox()
             return
         self._forks, self._appends, self._to_free, self._to_abort = [], {}, [], []
