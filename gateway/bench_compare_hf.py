@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -152,8 +153,9 @@ def kvpager_run(gateway: str, prompts: list[list[int]], max_new_tokens: int, sal
 def compare(model: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int = 1, seed: int = 0,
             max_batch_tokens: int | None = None, max_running: int | None = None, num_blocks: int | None = None,
             hf_batch_size: int = 32, hf_max_batch_tokens: int = 512, parity_sample: int = 32,
-            peers: tuple[str, ...] = ("sequential", "static_batch", "generate_batch")) -> dict:
-    """One comparison; returns the JSON-ready result."""
+            peers: tuple[str, ...] = ("sequential", "static_batch", "generate_batch"), stack=None) -> dict:
+    """One comparison; returns the JSON-ready result. ``stack``: a running
+    kvpager.stack.Stack to use instead of starting one."""
     import torch
 
     n = len(prompts)
@@ -169,7 +171,7 @@ def compare(model: str, prompts: list[list[int]], max_new_tokens: int, *, repeat
     opts = StackOptions(model=model, num_blocks=num_blocks, block_size=bs, max_batch_tokens=max_batch_tokens,
                         max_running=max_running)
     progress(NAME, f"{n} prompts x {max_new_tokens} tokens; starting the stack")
-    with embedded_stack(opts) as stack:
+    with (embedded_stack(opts) if stack is None else contextlib.nullcontext(stack)) as stack:
         gw = stack.addresses.gateway
         # warm-up at full size (first forwards of each shape, allocator, connections)
         kvpager_run(gw, prompts, 2, "warmup")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -132,14 +133,16 @@ async def decode_window(gateway: str, ports: dict[str, int], batch: int, prompt_
             "gateway_other_us": period - plan - execute}
 
 
-def measure(model: str, batches: list[int], prompt_len: int, output_len: int, repeats: int) -> dict:
+def measure(model: str, batches: list[int], prompt_len: int, output_len: int, repeats: int, stack=None) -> dict:
+    """``stack``: a running kvpager.stack.Stack with metrics on, max_running and
+    max_batch_tokens large enough for the largest batch (else one is started)."""
     lo, hi = bc.token_range(model)
     max_batch = max(batches)
     opts = bc.StackOptions(model=model, metrics=True, max_running=max(max_batch, 64),
                            max_batch_tokens=max(512, max_batch * prompt_len),
                            num_blocks=max_batch * (-(-(prompt_len + output_len + 1) // 16) + 1) + 64)
     rows = []
-    with bc.embedded_stack(opts) as stack:
+    with (bc.embedded_stack(opts) if stack is None else contextlib.nullcontext(stack)) as stack:
         a = stack.addresses
         ports = {name: a.metrics[name] for name in ("gateway", "executor-0", "memory")}
         asyncio.run(decode_window(a.gateway, ports, 4, prompt_len, 8, lo, hi, "overhead-warmup", 0))
