@@ -47,10 +47,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="timed rounds of every peer; medians are reported")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="gateway per-step token budget")
-    p.add_argument("--max-running", type=int, default=None, help="gateway sequences per step")
+    p.add_argument("--max-running", type=int, default=None,
+                   help="gateway sequences per step (default: the number of prompts, 64..256)")
     p.add_argument("--num-blocks", type=int, default=None, help="executor KV pool blocks (default: sized to fit)")
-    p.add_argument("--hf-batch-size", type=int, default=32, help="static-batch generate: prompts per batch")
-    p.add_argument("--hf-max-batch-tokens", type=int, default=512, help="generate_batch: tokens per step")
+    p.add_argument("--hf-batch-size", type=int, default=64, help="static-batch generate: prompts per batch")
+    p.add_argument("--hf-max-batch-tokens", type=int, default=256, help="generate_batch: tokens per step")
+    p.add_argument("--hf-threads", type=int, default=None, help="torch threads of the transformers peers "
+                   "(default: torch's, one per core)")
     p.add_argument("--parity-sample", type=int, default=32,
                    help="sequential generate (and the parity check) on the first N prompts only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -153,7 +156,8 @@ def kvpager_run(gateway: str, prompts: list[list[int]], max_new_tokens: int, sal
 def compare(model: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int = 1, seed: int = 0,
             max_batch_tokens: int | None = None, max_running: int | None = None, num_blocks: int | None = None,
             hf_batch_size: int = 32, hf_max_batch_tokens: int = 512, parity_sample: int = 32,
-            peers: tuple[str, ...] = ("sequential", "static_batch", "generate_batch"), stack=None) -> dict:
+            peers: tuple[str, ...] = ("sequential", "static_batch", "generate_batch"), stack=None,
+            hf_threads: int | None = None) -> dict:
     """One comparison; returns the JSON-ready result. ``stack``: a running
     kvpager.stack.Stack to use instead of starting one."""
     import torch
@@ -164,6 +168,10 @@ def compare(model: str, prompts: list[list[int]], max_new_tokens: int, *, repeat
     need_blocks = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
     if num_blocks is None:
         num_blocks = max(256, need_blocks + 64)  # room for every sequence: no preemption in the comparison
+    if max_running is None:
+        max_running = max(64, min(n, 256))  # every prompt in the running batch, as generate_batch does
+    if hf_threads:
+        torch.set_num_threads(hf_threads)
     hf = load_hf(model)
     times: dict[str, list[float]] = {k: [] for k in ("kvpager", *peers)}
     kv_outs: list[list[int]] = []
@@ -210,7 +218,7 @@ def compare(model: str, prompts: list[list[int]], max_new_tokens: int, *, repeat
         "model": str(model), "num_params_m": round(sum(p.numel() for p in hf.parameters()) / 1e6, 2),
         "num_prompts": n, "max_new_tokens": max_new_tokens,
         "input_len_mean": round(statistics.fmean(len(p) for p in prompts), 1),
-        "repeats": repeats, "torch_threads": torch.get_num_threads(),
+        "repeats": repeats, "hf_torch_threads": torch.get_num_threads(),
         "kvpager_tok_s": tok_s["kvpager"],
         "hf_sequential_tok_s": tok_s.get("sequential"),
         "hf_static_batch_tok_s": tok_s.get("static_batch"),
@@ -235,7 +243,8 @@ def _main(args: argparse.Namespace) -> int:
     result = compare(model, prompts, args.max_new_tokens, repeats=args.repeats, seed=args.seed,
                      max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                      num_blocks=args.num_blocks, hf_batch_size=args.hf_batch_size,
-                     hf_max_batch_tokens=args.hf_max_batch_tokens, parity_sample=args.parity_sample)
+                     hf_max_batch_tokens=args.hf_max_batch_tokens, parity_sample=args.parity_sample,
+                     hf_threads=args.hf_threads)
     result["command"] = " ".join(["kvpager", *sys.argv[1:]])
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
