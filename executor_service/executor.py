@@ -22,7 +22,7 @@ from executor_service import metrics
 from executor_service.attention import load_backend
 from executor_service.config import ExecutorConfig
 from executor_service.kv_pool import GIB, KvPool, block_bytes, device_pool_budget, num_blocks_for_bytes
-from executor_service.model_runner import ModelRunner
+from executor_service.model_runner import ModelRunner, resolve_device
 from executor_service.sampler import sample
 from executor_service.step import (
     PoolLimits,
@@ -157,9 +157,27 @@ class Executor:
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
         keep_freed_memory()
+        self.threads = ThreadTuner(thread_candidates() if resolve_device(config.device).type == "cpu"
+                                   else (torch.get_num_threads(),))
+        # Load on one OpenMP thread. Servers build the executor on a loader
+        # thread and run steps on another; had both started a team of OpenMP
+        # workers, libgomp would manage more threads than there are cores and
+        # switch every team to short spins, so each of a step's ~500 parallel
+        # regions would pay a futex wake-up. Measured: a 32-sequence decode
+        # step of the 30M Llama on 2 threads took 31-39 ms (min) run from a
+        # worker thread after a 2-thread load, 23-26 ms after a 1-thread load,
+        # 23 ms on the loading thread itself. (The count is per thread: the
+        # caller's own setting is restored below.)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self._load(config)
+        finally:
+            torch.set_num_threads(previous)
+
+    def _load(self, config: ExecutorConfig) -> None:
         self.runner = ModelRunner(config.model, device=config.device, dtype=config.dtype)
         self.device = self.runner.device
-        self.threads = ThreadTuner(thread_candidates() if self.device.type == "cpu" else (torch.get_num_threads(),))
         self.backend = load_backend(_backend_name(config.attention_backend, self.device))
         if self.backend.name == "triton" and self.device.type != "cuda":
             import os
