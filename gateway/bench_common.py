@@ -273,6 +273,40 @@ def metric_sum(samples: dict[str, float], prefix: str, **labels: str) -> float:
     return total
 
 
+def scrape_all(ports: dict[str, int]) -> dict[str, dict[str, float]]:
+    return {name: scrape(port) for name, port in ports.items()}
+
+
+def step_totals(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Where the steps between two ``scrape_all`` snapshots (gateway,
+    executor-0, memory) spent their time, in seconds, from the services' own
+    timers: forward and sample (executor), execute_handler_other (the rest of
+    the Execute handler: decoding, validation, input building, packing),
+    execute_rpc_other (the gateway's execute phase outside that handler:
+    building the request, transport, waiting for the gateway's event loop),
+    memory_step (the gateway's plan phase: schedule + Step RPC; of it
+    memory_step_handler inside the memory service and memory_step_inproc the
+    Step itself), gateway_other (the gateway step's remainder: applying
+    results)."""
+
+    def d(service: str, name: str, **labels) -> float:
+        return metric_sum(b[service], name, **labels) - metric_sum(a[service], name, **labels)
+
+    forward = d("executor-0", "kvpager_executor_forward_seconds_sum")
+    sample = d("executor-0", "kvpager_executor_sample_seconds_sum")
+    plan = d("gateway", "kvpager_gateway_step_seconds_sum", phase="plan")
+    execute = d("gateway", "kvpager_gateway_step_seconds_sum", phase="execute")
+    total = d("gateway", "kvpager_gateway_step_seconds_sum", phase="total")
+    handler = d("executor-0", "kvpager_rpc_latency_seconds_sum", method="/kvpager.v1.ExecutorService/Execute")
+    return {"steps": d("gateway", "kvpager_gateway_step_seconds_count", phase="total"),
+            "forward": forward, "sample": sample, "execute_handler_other": handler - forward - sample,
+            "execute_rpc_other": execute - handler, "memory_step": plan,
+            "memory_step_handler": d("memory", "kvpager_rpc_latency_seconds_sum",
+                                     method="/kvpager.v1.MemoryService/Step"),
+            "memory_step_inproc": d("memory", "kvpager_memory_step_seconds_sum"),
+            "gateway_other": total - plan - execute, "step_total": total}
+
+
 # ---- the load generator ---------------------------------------------------------
 
 

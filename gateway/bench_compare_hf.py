@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 
+from gateway import bench_common as bc
 from gateway.bench_common import StackOptions, embedded_stack, model_dir, progress, run_load, token_range
 
 NAME = "compare-hf"
@@ -155,7 +156,7 @@ def kvpager_run(gateway: str, prompts: list[list[int]], max_new_tokens: int, sal
 
 def compare(model: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int = 1, seed: int = 0,
             max_batch_tokens: int | None = None, max_running: int | None = None, num_blocks: int | None = None,
-            hf_batch_size: int = 32, hf_max_batch_tokens: int = 512, parity_sample: int = 32,
+            hf_batch_size: int = 64, hf_max_batch_tokens: int = 256, parity_sample: int = 32,
             peers: tuple[str, ...] = ("sequential", "static_batch", "generate_batch"), stack=None,
             hf_threads: int | None = None) -> dict:
     """One comparison; returns the JSON-ready result. ``stack``: a running
@@ -177,7 +178,8 @@ def compare(model: str, prompts: list[list[int]], max_new_tokens: int, *, repeat
     kv_outs: list[list[int]] = []
     seq_outs: list[list[int]] = []
     opts = StackOptions(model=model, num_blocks=num_blocks, block_size=bs, max_batch_tokens=max_batch_tokens,
-                        max_running=max_running)
+                        max_running=max_running, metrics=True)
+    breakdowns: list[dict] = []
     progress(NAME, f"{n} prompts x {max_new_tokens} tokens; starting the stack")
     with (embedded_stack(opts) if stack is None else contextlib.nullcontext(stack)) as stack:
         gw = stack.addresses.gateway
@@ -189,8 +191,14 @@ def compare(model: str, prompts: list[list[int]], max_new_tokens: int, *, repeat
             hf_generate_batch(hf, prompts, 2, hf_max_batch_tokens, need_blocks + 64)
         for r in range(repeats):
             progress(NAME, f"round {r + 1}/{repeats}: kvpager")
+            ports = {k: stack.addresses.metrics[k] for k in ("gateway", "executor-0", "memory")
+                     if k in stack.addresses.metrics}
+            before = bc.scrape_all(ports) if len(ports) == 3 else None
             dt, kv_outs = kvpager_run(gw, prompts, max_new_tokens, f"round-{r}")
             times["kvpager"].append(dt)
+            if before is not None:
+                t = bc.step_totals(before, bc.scrape_all(ports))
+                breakdowns.append({"wall": dt, **t, "between_steps": dt - t["step_total"]})
             if "static_batch" in peers:
                 progress(NAME, f"round {r + 1}/{repeats}: transformers static batch")
                 times["static_batch"].append(hf_static_batch(hf, prompts, max_new_tokens, hf_batch_size)[0])
@@ -232,6 +240,10 @@ def compare(model: str, prompts: list[list[int]], max_new_tokens: int, *, repeat
                    "max_running": max_running, "hf_batch_size": hf_batch_size,
                    "hf_max_batch_tokens": hf_max_batch_tokens, "hf_num_blocks": need_blocks + 64},
     }
+    if breakdowns:  # where the kvpager run's time went (median over rounds, seconds)
+        result["kvpager_time_s"] = {k: round(statistics.median(b[k] for b in breakdowns), 3)
+                                    for k in breakdowns[0] if k != "steps"}
+        result["kvpager_time_s"]["steps"] = int(statistics.median(b["steps"] for b in breakdowns))
     if "generate_batch" in peers and times["generate_batch"]:
         result["generate_batch_matches_sequential"] = sum(1 for a, b in zip(gb_outs, seq_outs) if a == b)
     return result

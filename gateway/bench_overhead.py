@@ -66,10 +66,6 @@ async def echo_us(address: str, n: int = 200) -> float:
     return statistics.median(times) * 1e6
 
 
-def _scrape_all(ports: dict[str, int]) -> dict[str, dict[str, float]]:
-    return {name: bc.scrape(port) for name, port in ports.items()}
-
-
 async def decode_window(gateway: str, ports: dict[str, int], batch: int, prompt_len: int, output_len: int,
                         lo: int, hi: int, salt: str, seed: int) -> dict:
     """One load of `batch` requests; the step figures of its all-decoding window."""
@@ -102,7 +98,7 @@ async def decode_window(gateway: str, ports: dict[str, int], batch: int, prompt_
     async def mark(name: str, event: asyncio.Event) -> None:
         await event.wait()
         t = time.perf_counter()
-        marks[name] = (t, await asyncio.to_thread(_scrape_all, ports))
+        marks[name] = (t, await asyncio.to_thread(bc.scrape_all, ports))
 
     async with make_channel(gateway) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
@@ -110,27 +106,21 @@ async def decode_window(gateway: str, ports: dict[str, int], batch: int, prompt_
                              *(one(i, stub) for i in range(batch)))
     (t1, a), (t2, b) = marks["start"], marks["end"]
 
-    def d(service: str, name: str, **labels) -> float:
-        return bc.metric_sum(b[service], name, **labels) - bc.metric_sum(a[service], name, **labels)
-
-    steps = d("gateway", "kvpager_gateway_step_seconds_count", phase="total")
+    t = bc.step_totals(a, b)
+    steps = t["steps"]
     if steps < 1:
         return {}
     per = lambda seconds: seconds / steps * 1e6  # noqa: E731
     period = (t2 - t1) / steps * 1e6
-    forward = per(d("executor-0", "kvpager_executor_forward_seconds_sum"))
-    sample = per(d("executor-0", "kvpager_executor_sample_seconds_sum"))
-    plan = per(d("gateway", "kvpager_gateway_step_seconds_sum", phase="plan"))
-    execute = per(d("gateway", "kvpager_gateway_step_seconds_sum", phase="execute"))
-    execute_handler = per(d("executor-0", "kvpager_rpc_latency_seconds_sum", method="/kvpager.v1.ExecutorService/Execute"))
-    step_handler = per(d("memory", "kvpager_rpc_latency_seconds_sum", method="/kvpager.v1.MemoryService/Step"))
+    forward, sample = per(t["forward"]), per(t["sample"])
     return {"steps": int(steps), "period_us": period, "forward_us": forward, "sample_us": sample,
-            "overhead_us": period - forward - sample, "memory_step_us": plan,
-            "memory_step_handler_us": step_handler,
-            "memory_step_inproc_us": per(d("memory", "kvpager_memory_step_seconds_sum")),
-            "execute_rpc_us": execute - forward - sample,
-            "execute_handler_us": execute_handler - forward - sample,
-            "gateway_other_us": period - plan - execute}
+            "overhead_us": period - forward - sample, "memory_step_us": per(t["memory_step"]),
+            "memory_step_handler_us": per(t["memory_step_handler"]),
+            "memory_step_inproc_us": per(t["memory_step_inproc"]),
+            "execute_rpc_us": per(t["execute_handler_other"] + t["execute_rpc_other"]),
+            "execute_handler_us": per(t["execute_handler_other"]),
+            "gateway_other_us": period - per(t["memory_step"]) - forward - sample
+            - per(t["execute_handler_other"] + t["execute_rpc_other"])}
 
 
 def measure(model: str, batches: list[int], prompt_len: int, output_len: int, repeats: int, stack=None) -> dict:

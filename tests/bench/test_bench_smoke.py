@@ -80,6 +80,8 @@ def test_compare_hf(stack, model):
                 "ratio_vs_generate_batch"):
         assert result[key] > 0, key
     assert result["parity"] == {"matched": 3, "total": 3}
+    t = result["kvpager_time_s"]
+    assert t["steps"] >= 4 and 0 < t["forward"] <= t["wall"]
     json.dumps(result)
 
 
