@@ -3,7 +3,7 @@ longest prefix of its prompt, weighed against how busy each one is."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from kvpager.errors import Unavailable
 from kvpager.packed import pack_i32
@@ -55,6 +55,7 @@ class RoutedPrefixes:
         self.block_size = block_size
         self.max_entries = max_entries
         self._owner: OrderedDict[int, str] = OrderedDict()  # chained block-prefix hash -> executor id
+        self.footprint: Counter[str] = Counter()  # executor id -> blocks of prompts routed there (in the LRU)
 
     def _keys(self, prompt_ids: list[int], cache_salt: str) -> list[int]:
         bs, h, keys = self.block_size, hash(cache_salt), []
@@ -74,20 +75,39 @@ class RoutedPrefixes:
         return best
 
     def record(self, prompt_ids: list[int], cache_salt: str, executor_id: str) -> None:
+        owner, footprint = self._owner, self.footprint
         for key in self._keys(prompt_ids, cache_salt):
-            self._owner[key] = executor_id
-            self._owner.move_to_end(key)
-        while len(self._owner) > self.max_entries:
-            self._owner.popitem(last=False)
+            old = owner.get(key)
+            if old != executor_id:
+                if old is not None:
+                    footprint[old] -= 1
+                footprint[executor_id] += 1
+            owner[key] = executor_id
+            owner.move_to_end(key)
+        while len(owner) > self.max_entries:
+            footprint[owner.popitem(last=False)[1]] -= 1
 
 
 class PrefixAwareRouter:
-    """cost(e) = prompt tokens e would have to compute + load_weight_tokens x
-    sequences e is already serving; the cheapest executor wins (ties: the id)."""
+    """Cache-aware routing in two regimes (as SGLang's router does):
 
-    def __init__(self, engine, load_weight_tokens: float = 16.0, redis_url: str | None = None) -> None:
+    * the prompt's best cached (or already routed) prefix covers at least
+      ``cache_threshold`` of it: cost(e) = prompt tokens e would compute +
+      load_weight_tokens x sequences e serves; the cheapest executor wins;
+    * otherwise the prompt is new everywhere, and where it lands decides which
+      cache will hold it: among the executors within ``load_slack`` sequences
+      of the least loaded, the one with the smallest routed footprint wins, so
+      distinct prefixes spread evenly over the caches instead of piling several
+      onto whichever executor was idle at the time (which then evicts them).
+
+    Ties go to the lower executor id."""
+
+    def __init__(self, engine, load_weight_tokens: float = 16.0, redis_url: str | None = None, *,
+                 cache_threshold: float = 0.5, load_slack: int = 8) -> None:
         self.engine = engine
         self.load_weight_tokens = load_weight_tokens
+        self.cache_threshold = cache_threshold
+        self.load_slack = load_slack
         self.redis_url = redis_url  # score from the Redis mirror instead of the memory service
         self.prefix_reader = None   # built once an executor tells the hash namespace
         self.routed = RoutedPrefixes()
@@ -101,11 +121,21 @@ class PrefixAwareRouter:
         hits = await self._hits(prompt_ids, cache_salt)
         for eid, n in self.routed.hits(prompt_ids, cache_salt).items():
             hits[eid] = max(hits.get(eid, 0), n)
+        alive = [eid for eid in alive if self.engine.executors.get(eid) is not None
+                 and self.engine.executors[eid].alive]  # one may have gone while we awaited the scores
+        if not alive:
+            raise Unavailable("no executor is serving", retry_after_s=1.0)
+        load = {eid: self.engine.load(eid) for eid in alive}
+        best_hit = max((hits.get(eid, 0) for eid in alive), default=0)
+        if best_hit >= self.cache_threshold * len(prompt_ids) and best_hit > 0:
+            def cost(eid: str) -> tuple[float, str]:
+                return (len(prompt_ids) - hits.get(eid, 0) + self.load_weight_tokens * load[eid], eid)
 
-        def cost(eid: str) -> tuple[float, str]:
-            return (len(prompt_ids) - hits.get(eid, 0) + self.load_weight_tokens * self.engine.load(eid), eid)
-
-        chosen = min(alive, key=cost)
+            chosen = min(alive, key=cost)
+        else:
+            least = min(load.values())
+            near = [eid for eid in alive if load[eid] <= least + self.load_slack]
+            chosen = min(near, key=lambda eid: (self.routed.footprint[eid], load[eid], eid))
         self.routed.record(prompt_ids, cache_salt, chosen)
         return chosen
 

@@ -1,0 +1,66 @@
+"""Requests that arrive together with a shared prompt prefix compute it once:
+the scheduler gives the first all the step's tokens until its prompt is done,
+and the others, admitted in the step that finishes it, hit the blocks it
+commits in that same step (and still match transformers' generate token for
+token). Also: prefix routing spreads distinct new prefixes over the executors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+from gateway_harness import Oracle, generate, start_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SYSTEM = list(range(100, 148))  # 12 full blocks of 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from executor_service.demo_model import build_demo_model
+
+    return str(build_demo_model(tmp_path_factory.mktemp("pb") / "demo", vocab_size=320,
+                                max_position_embeddings=256))
+
+
+@pytest.fixture(scope="module")
+def oracle(model):
+    return Oracle(model)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stack(model):
+    s = await start_stack(model, executors=2, num_blocks=128, block_size=4, max_batch_tokens=16)
+    yield s
+    await s.stop()
+
+
+@pytest.mark.parametrize("batch_tokens", ["chunked", "whole"])
+async def test_burst_with_shared_prefix_computes_it_once(stack, oracle, batch_tokens):
+    # 16 tokens a step: the 51-token prompts take four steps; or all in one step
+    stack.gateway.engine.config.max_batch_tokens = 16 if batch_tokens == "chunked" else 512
+    prompts = [SYSTEM + [7 + i, 9, 11] for i in range(3)]
+    salt = f"burst-{batch_tokens}"
+    before = await stack.accounting()
+    results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=4, cache_salt=salt) for p in prompts))
+    for p, res in zip(prompts, results):
+        assert res[0][0] == oracle.greedy(p, 4)
+    after = await stack.wait_idle()
+    assert sorted(res[0][3].cached_prompt_tokens for res in results) == [0, len(SYSTEM), len(SYSTEM)]
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 2 * len(SYSTEM)
+
+
+async def test_new_prefixes_spread_over_executors_by_footprint(stack):
+    router = stack.gateway.router
+    stack.gateway.engine.config.max_batch_tokens = 512
+    prefixes = [[200 + 10 * j + i % 7 for i in range(40)] for j in range(4)]
+    chosen = []
+    for j in (0, 1, 2, 3, 0, 1, 2, 3):
+        # one at a time, so load is equal (zero) at every choice: only footprint separates them
+        chosen.append(await router.choose(prefixes[j] + [5, 6], "spread"))
+    assert sorted(chosen[:4]) == ["executor-0", "executor-0", "executor-1", "executor-1"]
+    assert chosen[4:] == chosen[:4]  # a prefix seen before goes where it went
+    fp = router.routed.footprint
+    assert fp["executor-0"] == fp["executor-1"]
