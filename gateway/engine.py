@@ -41,8 +41,8 @@ SEED_MASK = (1 << 63) - 1
 
 @dataclass
 class EngineConfig:
-    max_batch_tokens: int = 512      # tokens computed per step (prefill chunks + decodes)
-    max_running: int = 64            # sequences per step
+    max_batch_tokens: int = 512      # tokens each executor computes per step (prefill chunks + decodes)
+    max_running: int = 64            # sequences each executor runs per step
     max_waiting: int = 1024          # requests admitted but not finished
     max_n: int = 8
     policy: str = "fcfs"             # "fcfs" | "priority"
@@ -371,18 +371,27 @@ class Engine:
         else:  # FCFS: sequences already holding KV first, then by arrival
             def key(s: Seq):
                 return (s.status is SeqStatus.WAITING, s.request.arrival, s.seq_id)
-        budget = cfg.max_batch_tokens
+        # Each executor runs its own forward: the token budget and the sequence cap are per
+        # executor and step (one shared budget starved the others behind a long prefill).
+        budget = dict.fromkeys(alive, cfg.max_batch_tokens)
+        running = dict.fromkeys(alive, 0)
+        open_executors = len(alive)
         ids, nums, new = [], [], []
         for s in sorted(self.seqs.values(), key=key):
-            if len(ids) >= cfg.max_running or budget <= 0:
+            if open_executors == 0:
                 break
-            if s.executor_id not in alive:
+            eid = s.executor_id
+            if eid not in alive or budget[eid] <= 0:
                 continue
             remaining = len(s.tokens) - s.num_computed
             if remaining <= 0:
                 continue
-            k = min(remaining, budget)
-            budget -= k
+            k = min(remaining, budget[eid])
+            budget[eid] -= k
+            running[eid] += 1
+            if budget[eid] <= 0 or running[eid] >= cfg.max_running:
+                budget[eid] = 0
+                open_executors -= 1
             ids.append(s.seq_id)
             nums.append(k)
             if not s.created:

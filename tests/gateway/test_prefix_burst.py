@@ -64,3 +64,35 @@ async def test_new_prefixes_spread_over_executors_by_footprint(stack):
     assert chosen[4:] == chosen[:4]  # a prefix seen before goes where it went
     fp = router.routed.footprint
     assert fp["executor-0"] == fp["executor-1"]
+
+
+async def test_token_budget_is_per_executor(stack, oracle):
+    """Two long prompts on two executors prefill side by side: each executor
+    gets max_batch_tokens a step (one shared budget ran them one after the other)."""
+    engine, router = stack.gateway.engine, stack.gateway.router
+    engine.config.max_batch_tokens = 16
+    prompts = {"executor-0": [30 + i % 50 for i in range(60)], "executor-1": [90 + i % 40 for i in range(60)]}
+    steps = []
+    real_step, real_choose = engine.memory.step, router.choose
+
+    async def step(request, timeout_s=None):
+        from kvpager.packed import unpack_i32
+
+        steps.append(list(unpack_i32(request.schedule_num_tokens)))
+        return await real_step(request, timeout_s)
+
+    async def choose(prompt_ids, cache_salt):
+        return next(e for e, p in prompts.items() if p == prompt_ids)
+
+    engine.memory.step, router.choose = step, choose
+    try:
+        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=3, ignore_eos=True)
+                                         for p in prompts.values()))
+    finally:
+        engine.memory.step, router.choose = real_step, real_choose
+        engine.config.max_batch_tokens = 512
+    for p, res in zip(prompts.values(), results):
+        assert res[0][0] == oracle.greedy(p, 3, min_new_tokens=3)
+    assert [16, 16] in steps  # both executors' chunks in one step
+    assert max(sum(s) for s in steps) == 32
+    await stack.wait_idle()
