@@ -181,10 +181,14 @@ def plot(runs: list[dict], out_dir: str) -> list[str]:
                 label="output tok/s")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("output tokens/s")
+        ax.set_ylim(bottom=0)
         ax2 = ax.twinx()
         ax2.plot([r["request_rate"] for r in finite], [r["ttft_ms"]["median"] for r in finite], "s--", color="C1",
                  label="median TTFT")
         ax2.set_ylabel("median TTFT (ms)")
+        ax2.set_ylim(bottom=0)
+        handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], loc="lower right", fontsize=7)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         written.append(str(out / "serve_throughput_vs_rate.png"))
