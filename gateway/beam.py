@@ -76,7 +76,10 @@ class BeamSearch:
             state: BeamState = req.beam
             if req.done or len(state.pending) < len(state.running):
                 continue  # not every beam computed this step (preempted): wait for the rest
-            self._advance(req, state)
+            try:
+                self._advance(req, state)
+            except Exception:  # one search's bug must not end the other requests
+                self.engine.fail_on_bug(req, "advancing its beam search")
 
     def _advance(self, req: Request, state: BeamState) -> None:
         eos = self.engine.eos_ids if not req.spec.ignore_eos else frozenset()

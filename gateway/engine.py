@@ -489,12 +489,21 @@ class Engine:
             pos += samples
             if seq.seq_id not in self.seqs:
                 continue  # aborted while the step ran
-            if samples > 1:
-                self._fan_out(seq, list(toks), list(lps))
-            else:
-                self._accept(seq, seq.completion, toks[0], lps[0])
+            try:
+                if samples > 1:
+                    self._fan_out(seq, list(toks), list(lps))
+                else:
+                    self._accept(seq, seq.completion, toks[0], lps[0])
+            except Exception:  # one request's bug must not end the others' streams
+                self.fail_on_bug(seq.request, "taking its sampled tokens")
         self.beams.finish_step()
         metrics.TOKENS_GENERATED.inc(len(sampled))
+
+    def fail_on_bug(self, req: Request, doing: str) -> None:
+        """End one request with INTERNAL (its blocks freed next step) after an
+        unexpected exception while processing it; the step goes on for the rest."""
+        log.exception("request failed inside the engine", request_id=req.request_id, doing=doing)
+        self._fail_request(req, Internal(f"internal error while {doing}; request {req.request_id} ended"))
 
     def _fan_out(self, parent: Seq, toks: list[int], lps: list) -> None:
         """n > 1: the prompt was computed once; each completion gets its own
