@@ -3,6 +3,7 @@ longest prefix of its prompt, weighed against how busy each one is."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter, OrderedDict
 
 from kvpager.errors import Unavailable
@@ -19,7 +20,7 @@ class RoundRobinRouter:
         self.engine = engine
         self._next = 0
 
-    async def choose(self, prompt_ids: list[int], cache_salt: str) -> str:
+    async def choose(self, prompt_ids: list[int], cache_salt: str, deadline: float | None = None) -> str:
         alive = sorted(eid for eid, ex in self.engine.executors.items() if ex.alive)
         if not alive:
             raise Unavailable("no executor is serving", retry_after_s=1.0)
@@ -28,6 +29,7 @@ class RoundRobinRouter:
 
 
 ROUTINGS = ("prefix", "round-robin")
+SCORE_TIMEOUT_S = 5.0  # longest a routing decision waits for prefix scores
 
 
 def make_router(routing: str, engine, load_weight_tokens: float = 16.0, redis_url: str | None = None):
@@ -112,13 +114,18 @@ class PrefixAwareRouter:
         self.prefix_reader = None   # built once an executor tells the hash namespace
         self.routed = RoutedPrefixes()
 
-    async def choose(self, prompt_ids: list[int], cache_salt: str) -> str:
+    async def choose(self, prompt_ids: list[int], cache_salt: str, deadline: float | None = None) -> str:
+        """deadline: the request's, in event-loop time; scoring gives up by then
+        (and after SCORE_TIMEOUT_S at most) and routes by load alone."""
         alive = sorted(eid for eid, ex in self.engine.executors.items() if ex.alive)
         if not alive:
             raise Unavailable("no executor is serving", retry_after_s=1.0)
         if len(alive) == 1:
             return alive[0]
-        hits = await self._hits(prompt_ids, cache_salt)
+        timeout = SCORE_TIMEOUT_S
+        if deadline is not None:
+            timeout = min(timeout, deadline - asyncio.get_running_loop().time())
+        hits = await self._hits(prompt_ids, cache_salt, timeout) if timeout > 0 else {}
         for eid, n in self.routed.hits(prompt_ids, cache_salt).items():
             hits[eid] = max(hits.get(eid, 0), n)
         alive = [eid for eid in alive if self.engine.executors.get(eid) is not None
@@ -139,21 +146,24 @@ class PrefixAwareRouter:
         self.routed.record(prompt_ids, cache_salt, chosen)
         return chosen
 
-    async def _hits(self, prompt_ids: list[int], cache_salt: str) -> dict[str, int]:
+    async def _hits(self, prompt_ids: list[int], cache_salt: str, timeout_s: float) -> dict[str, int]:
         try:
-            if self.redis_url:
-                if self.prefix_reader is None:
-                    from memory_service.mirror.reader import AsyncPrefixReader
-
-                    pool = next(ex.pool for ex in self.engine.executors.values() if ex.alive)
-                    self.prefix_reader = AsyncPrefixReader(self.redis_url, model_id=pool.model_id,
-                                                           block_size=pool.block_size, dtype=pool.dtype,
-                                                           adapter=pool.adapter)
-                blocks = await self.prefix_reader.score(prompt_ids, cache_salt)
-                bs = {eid: ex.block_size for eid, ex in self.engine.executors.items()}
-                return {eid: n * bs.get(eid, 0) for eid, n in blocks.items()}
-            scores = await self.engine.memory.score_prefix(pack_i32(prompt_ids), cache_salt)
-            return {s.executor_id: s.hit_tokens for s in scores}
-        except Exception as exc:  # scoring is an optimisation (Redis may be down): fall back to load
-            log.warning("prefix scoring failed", error=str(exc))
+            return await asyncio.wait_for(self._score(prompt_ids, cache_salt), timeout_s)
+        except Exception as exc:  # scoring is an optimisation (Redis may be down, time short): route by load
+            log.warning("prefix scoring failed", error=str(exc) or type(exc).__name__)
             return {}
+
+    async def _score(self, prompt_ids: list[int], cache_salt: str) -> dict[str, int]:
+        if self.redis_url:
+            if self.prefix_reader is None:
+                from memory_service.mirror.reader import AsyncPrefixReader
+
+                pool = next(ex.pool for ex in self.engine.executors.values() if ex.alive)
+                self.prefix_reader = AsyncPrefixReader(self.redis_url, model_id=pool.model_id,
+                                                       block_size=pool.block_size, dtype=pool.dtype,
+                                                       adapter=pool.adapter)
+            blocks = await self.prefix_reader.score(prompt_ids, cache_salt)
+            bs = {eid: ex.block_size for eid, ex in self.engine.executors.items()}
+            return {eid: n * bs.get(eid, 0) for eid, n in blocks.items()}
+        scores = await self.engine.memory.score_prefix(pack_i32(prompt_ids), cache_salt)
+        return {s.executor_id: s.hit_tokens for s in scores}

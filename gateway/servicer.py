@@ -56,7 +56,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         remaining = context.time_remaining()
         deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
         request_id = request.request_id or uuid.uuid4().hex
-        executor_id = await self.router.choose(prompt_ids, request.cache_salt)
+        executor_id = await self.router.choose(prompt_ids, request.cache_salt, deadline)
         req = engine.new_request(request_id, prompt_ids, spec, seed=spec.seed, priority=request.priority,
                                  cache_salt=request.cache_salt, deadline=deadline,
                                  skip_special_tokens=request.skip_special_tokens)

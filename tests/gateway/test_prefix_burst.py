@@ -81,7 +81,7 @@ async def test_token_budget_is_per_executor(stack, oracle):
         steps.append(list(unpack_i32(request.schedule_num_tokens)))
         return await real_step(request, timeout_s)
 
-    async def choose(prompt_ids, cache_salt):
+    async def choose(prompt_ids, cache_salt, deadline=None):
         return next(e for e, p in prompts.items() if p == prompt_ids)
 
     engine.memory.step, router.choose = step, choose
@@ -96,3 +96,31 @@ async def test_token_budget_is_per_executor(stack, oracle):
     assert [16, 16] in steps  # both executors' chunks in one step
     assert max(sum(s) for s in steps) == 32
     await stack.wait_idle()
+
+
+async def test_scoring_gives_up_by_the_request_deadline(stack, monkeypatch):
+    """Prefix scores that never come (a Redis that accepts and never answers)
+    cost a request at most its remaining time, then it routes by load."""
+    import socket
+
+    from gateway import router as router_mod
+
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+        router = router_mod.PrefixAwareRouter(stack.gateway.engine,
+                                              redis_url=f"redis://127.0.0.1:{hole.getsockname()[1]}")
+        loop = asyncio.get_running_loop()
+        try:
+            t0 = loop.time()
+            chosen = await router.choose(list(range(10, 40)), "", deadline=t0 + 0.3)
+            assert 0.25 < loop.time() - t0 < 2.0
+            assert chosen in stack.gateway.engine.executors
+            monkeypatch.setattr(router_mod, "SCORE_TIMEOUT_S", 0.2)  # no deadline: the cap applies
+            t0 = loop.time()
+            await router.choose(list(range(10, 40)), "")
+            assert loop.time() - t0 < 1.5
+            assert await router.choose([1, 2], "", deadline=loop.time() - 1) in stack.gateway.engine.executors
+        finally:
+            if router.prefix_reader is not None:
+                await router.prefix_reader.aclose()
