@@ -104,6 +104,7 @@ class ChildSpec:
     argv: list[str]
     address: str                   # host:port of its gRPC server
     metrics_port: int | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # added to the inherited environment
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -172,6 +173,7 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
     flags, port = metrics(0)
     children.append(ChildSpec("memory", "memory", kvpager(
         "memory", "--host", host, "--port", str(config.memory_port), *flags, *redis), memory_address, port))
+    executor_env = cpu_executor_env(config)
     for i in range(config.num_executors):
         flags, port = metrics(2 + i)
         exec_port = config.executor_base_port + i
@@ -184,13 +186,28 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
             "--host", host, "--port", str(exec_port), *advertise, *flags, "--memory-address", memory_address,
             "--block-size", str(config.block_size), *pool, *swap, "--dtype", config.dtype,
             "--device", config.device, "--attention-backend", config.attention_backend,
-        ), _join(near, exec_port), port))
+        ), _join(near, exec_port), port, dict(executor_env)))
     flags, port = metrics(1)
     children.append(ChildSpec("gateway", "gateway", kvpager(
         "gateway", "--host", host, "--port", str(config.gateway_port), *flags,
         "--memory-address", memory_address, "--model", config.model, *redis,
     ), _join(near, config.gateway_port), port))
     return children
+
+
+def cpu_executor_env(config: StackConfig, cores: int | None = None) -> dict[str, str]:
+    """Several CPU executors on one host share its cores: each gets its slice
+    as OMP_NUM_THREADS (unless the user set one). Left alone, every executor
+    runs an OpenMP team as wide as the machine and their spinning threads
+    displace each other (4 executors on 2 cores: 8 spinning threads)."""
+    if config.device != "cpu" or config.num_executors <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return {}
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+    return {"OMP_NUM_THREADS": str(max(1, cores // config.num_executors))}
 
 
 def _join(host: str, port: int) -> str:
@@ -381,7 +398,7 @@ class Stack:
                     raise StackError(child.name, f"port {port} is already in use (0 picks a free one)", None, "")
 
     def _spawn(self, child: ChildSpec) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
         if self.config.security is not None:  # tokens by environment: argv is visible to everyone
             env.update(self.config.security.child_env())
         argv = child.argv

@@ -199,3 +199,19 @@ def test_stack_end_to_end_demo_model(tmp_path, monkeypatch):
     assert set(codes) == {"memory", "executor-0", "gateway"}
     assert all(p.poll() is not None for p in stack.procs.values())
     assert codes == {"memory": 0, "executor-0": 0, "gateway": 0}, codes  # graceful, not killed
+
+
+def test_cpu_executors_split_the_cores(monkeypatch):
+    from kvpager.stack import cpu_executor_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = config_from_args(parse("up", "--executors", "4"))
+    assert cpu_executor_env(cfg, cores=2) == {"OMP_NUM_THREADS": "1"}
+    assert cpu_executor_env(cfg, cores=16) == {"OMP_NUM_THREADS": "4"}
+    assert cpu_executor_env(config_from_args(parse("up")), cores=16) == {}  # one executor: all cores
+    assert cpu_executor_env(config_from_args(parse("up", "--executors", "2", "--device", "cuda")), cores=16) == {}
+    cfg.model, cfg.python = "/models/m", PY
+    children = build_children(cfg)
+    assert all(("OMP_NUM_THREADS" in c.env) == (c.role == "executor") for c in children)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
+    assert cpu_executor_env(cfg, cores=16) == {}
