@@ -32,6 +32,7 @@ from executor_service.step import (
     build_sampling_inputs,
     check_step,
 )
+from executor_service.write_log import WriteLog
 from kvpager.errors import ResourceExhausted
 
 SWAP_DEFAULT_MAX_BYTES = 4 * GIB
@@ -212,6 +213,7 @@ class Executor:
         self.incarnation = new_incarnation()
         self.pool_generation = 1
         self.last_step_id = 0  # step_id of the last Execute this pool applied (ConfirmPool; 0 = none)
+        self.write_log = WriteLog(self.pool.block_size)  # blocks recent steps wrote (ConfirmPool)
         self._limits = PoolLimits(
             num_blocks=num_blocks,
             num_swap_blocks=num_swap,
@@ -280,6 +282,19 @@ class Executor:
         """True iff the caller's (incarnation, generation) is this pool's."""
         return incarnation == self.incarnation and pool_generation == self.pool_generation
 
+    def confirm_with_writes(self, incarnation: int, pool_generation: int, since_step: int):
+        """(confirmed, last applied step id, device blocks written by steps
+        after since_step — None when the log no longer reaches back or nothing
+        was asked). Lock-free, so a running step does not delay a recovering
+        memory service: steps record themselves before touching the pool, so
+        reading the step id first and the log second can only over-report
+        writes; a generation change in between (a failed step) is a refusal."""
+        generation = self.pool_generation
+        last = self.last_step_id
+        written = self.write_log.written_since(since_step) if since_step and last > since_step else None
+        confirmed = (self.confirm_pool(incarnation, pool_generation) and generation == self.pool_generation)
+        return confirmed, last, written
+
     def execute(self, step: StepInput) -> StepOutput:
         """Run one step. Raises InvalidArgument / FailedPrecondition before
         touching anything, ResourceExhausted when memory runs out."""
@@ -287,6 +302,8 @@ class Executor:
         with self._lock:
             # Recorded before anything is touched: a ConfirmPool racing this step sees it.
             self.last_step_id = step.step_id
+            self.write_log.record(step.step_id, step.slot_mapping, step.cache_ops.copy_dst,
+                                  step.cache_ops.swap_in_dst)
             try:
                 return self._run(step)
             except Exception as exc:
@@ -294,6 +311,7 @@ class Executor:
                 # the memory service remembers of it.
                 self.pool_generation += 1
                 self.last_step_id = 0  # a new generation has applied nothing yet
+                self.write_log.reset()
                 if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
                     metrics.FAILED_STEPS.labels(self.executor_id, "error").inc()
                     raise

@@ -140,9 +140,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
 
     async def ConfirmPool(self, request, context):
         executor = self._ready()
+        confirmed, last, written = executor.confirm_with_writes(request.incarnation, request.pool_generation,
+                                                                request.written_since_step)
         return executor_pb2.ConfirmPoolResponse(
-            confirmed=executor.confirm_pool(request.incarnation, request.pool_generation),
+            confirmed=confirmed,
             incarnation=executor.incarnation,
             pool_generation=executor.pool_generation,
-            last_step_id=executor.last_step_id,
+            last_step_id=last,
+            writes_known=written is not None,
+            written_block_ids=written.tobytes() if written is not None else b"",
         )

@@ -118,21 +118,27 @@ class ExecutorInfo(_message.Message):
     def __init__(self, executor_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ...) -> None: ...
 
 class ConfirmPoolRequest(_message.Message):
-    __slots__ = ("incarnation", "pool_generation")
+    __slots__ = ("incarnation", "pool_generation", "written_since_step")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     pool_generation: int
-    def __init__(self, incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ...) -> None: ...
+    written_since_step: int
+    def __init__(self, incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., written_since_step: _Optional[int] = ...) -> None: ...
 
 class ConfirmPoolResponse(_message.Message):
-    __slots__ = ("confirmed", "incarnation", "pool_generation", "last_step_id")
+    __slots__ = ("confirmed", "incarnation", "pool_generation", "last_step_id", "writes_known", "written_block_ids")
     CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    WRITES_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     confirmed: bool
     incarnation: int
     pool_generation: int
     last_step_id: int
-    def __init__(self, confirmed: _Optional[bool] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., last_step_id: _Optional[int] = ...) -> None: ...
+    writes_known: bool
+    written_block_ids: bytes
+    def __init__(self, confirmed: _Optional[bool] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., last_step_id: _Optional[int] = ..., writes_known: _Optional[bool] = ..., written_block_ids: _Optional[bytes] = ...) -> None: ...

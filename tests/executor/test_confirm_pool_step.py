@@ -60,3 +60,58 @@ def test_confirm_pool_reports_the_last_applied_step(serve, monkeypatch):
     monkeypatch.undo()
     reply = _confirm(served)  # a new generation: it has applied no step yet
     assert (reply.pool_generation, reply.last_step_id) == (gen + 1, 0)
+
+
+def _written(served, since: int) -> tuple[bool, list[int]]:
+    ex = served.executor
+    reply = served.stub.ConfirmPool(executor_pb2.ConfirmPoolRequest(
+        incarnation=ex.incarnation, pool_generation=ex.pool_generation, written_since_step=since), timeout=10)
+    assert reply.confirmed
+    return reply.writes_known, list(packed.unpack_i32(reply.written_block_ids))
+
+
+def test_confirm_pool_lists_the_blocks_written_since_a_step(serve):
+    """What a restarted memory service needs to keep the rest of a mirror
+    that lags the executor (the fine step fence, docs/mirror.md)."""
+    served = serve(CKPT, executor_id="write-log")
+    bs = served.executor.pool.block_size
+    plan = Plan(served)
+    [p] = prompts(1, [bs + 3], seed=43)
+    a = plan.new_seq(p)
+    req = plan.request([(a, bs + 3)])
+    req.step_id = 2_000_001
+    served.stub.Execute(req, timeout=30)
+    a_blocks = sorted({s // bs for s in packed.unpack_i32(req.slot_mapping)})
+    assert len(a_blocks) == 2
+
+    swap = executor_pb2.ExecuteRequest(step_id=2_000_003, cache_ops=common_pb2.CacheOps(
+        swap_out_src=packed.pack_i32([a_blocks[0]]), swap_out_dst=packed.pack_i32([0])))
+    served.stub.Execute(swap, timeout=30)  # reads a device block, writes swap space only
+    copy = executor_pb2.ExecuteRequest(step_id=2_000_005, cache_ops=common_pb2.CacheOps(
+        copy_src=packed.pack_i32([a_blocks[0]]), copy_dst=packed.pack_i32([7])))
+    served.stub.Execute(copy, timeout=30)
+
+    assert _written(served, 2_000_000) == (True, sorted({*a_blocks, 7}))
+    assert _written(served, 2_000_001) == (True, [7])
+    assert _written(served, 2_000_005) == (False, [])   # nothing applied since: nothing to list
+    reply = served.stub.ConfirmPool(executor_pb2.ConfirmPoolRequest(
+        incarnation=served.executor.incarnation, pool_generation=served.executor.pool_generation), timeout=10)
+    assert not reply.writes_known                        # not asked
+
+
+def test_write_log_forgets_old_steps_and_says_so():
+    import numpy as np
+
+    from executor_service.write_log import WriteLog
+
+    log = WriteLog(block_size=4, max_steps=2)
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+    log.record(10, i32(0, 1, 2, 3, 4), i32(), i32())
+    log.record(12, i32(), i32(9), i32())
+    assert list(log.written_since(9)) == [0, 1, 9]
+    log.record(14, i32(), i32(), i32(5))
+    assert log.written_since(9) is None                  # step 10 was dropped: no longer known
+    assert list(log.written_since(10)) == [5, 9]
+    assert list(log.written_since(14)) == []
+    log.reset()
+    assert list(log.written_since(0)) == []
