@@ -101,26 +101,26 @@ class MemoryServer:
         log.info("mirror recovery done", restored=report.restored, dropped=report.dropped,
                  blocks=report.num_blocks)
 
-    async def _confirm_pool(self, address: str, incarnation: int, pool_generation: int,
-                            timeout_s: float) -> int | None:
-        """ExecutorService.ConfirmPool over this service's TLS and admin token: the pool's last
-        applied step id, None when not confirmed (recovery.ConfirmFn)."""
+    async def _confirm_pool(self, address: str, incarnation: int, pool_generation: int, timeout_s: float,
+                            written_since_step: int = 0):
+        """ExecutorService.ConfirmPool over this service's TLS and admin token (recovery.ConfirmFn):
+        a ConfirmAnswer, None when not confirmed."""
         import grpc
 
         from kvpager.channel import make_channel
         from kvpager.v1 import executor_pb2, executor_pb2_grpc
+        from memory_service.mirror.recovery import answer_from_reply
 
         async with make_channel(address, tls=self.config.client_tls, token=self.config.admin_token) as channel:
             try:
                 reply = await executor_pb2_grpc.ExecutorServiceStub(channel).ConfirmPool(
-                    executor_pb2.ConfirmPoolRequest(incarnation=incarnation, pool_generation=pool_generation),
+                    executor_pb2.ConfirmPoolRequest(incarnation=incarnation, pool_generation=pool_generation,
+                                                    written_since_step=written_since_step),
                     timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:
                 log.info("ConfirmPool failed", address=address, code=exc.code().name)
                 return None
-        if reply.confirmed and reply.incarnation == incarnation and reply.pool_generation == pool_generation:
-            return reply.last_step_id
-        return None
+        return answer_from_reply(reply, incarnation, pool_generation)
 
     async def _reap(self) -> None:
         while True:

@@ -12,11 +12,20 @@ mirror and never served.
 
 Step fencing: the mirror is write-behind, so a plan may have been executed
 (a block overwritten) before its events reached Redis, or published before it
-was executed. The record's `last_step_id` is the step_id of the last Step
+was executed. The record's `last_step_id` P is the step_id of the last Step
 that gave this executor rows and whose events are all in Redis; ConfirmPool
-answers the step_id of the last Execute the pool applied. Only when the two
-are equal does the mirror describe the pool's contents; otherwise the
-executor is dropped like an unconfirmed pool.
+answers the step_id A of the last Execute the pool applied.
+
+* A == P: the mirror describes the pool; every recorded block is rebuilt.
+* A > P (the usual case after a crash under load: the last few steps' events
+  never reached Redis): ConfirmPool is asked for the device blocks steps
+  after P wrote (the executor logs recent steps' slot mappings, copy and
+  swap-in destinations). Those blocks, and every block whose prefix chain
+  runs through one, are left out; the rest is rebuilt, and the record then
+  stands for step A. If the executor's log no longer reaches back to P, the
+  executor is dropped.
+* A < P (a plan published but never executed): blocks the mirror calls
+  computed may never have been written; the executor is dropped.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import grpc
 from redis.exceptions import NoScriptError
 
 from kvpager.channel import make_channel
+from kvpager.packed import unpack_i32
 from kvpager.telemetry import get_logger
 from kvpager.v1 import executor_pb2, executor_pb2_grpc
 from memory_service.kv_manager import ExecutorSpec
@@ -43,16 +53,50 @@ from memory_service.service_state import MemoryState
 
 log = get_logger("memory_service.mirror")
 
-# (address, incarnation, pool_generation, timeout_s) -> None / False: not confirmed; an int: confirmed,
-# the step_id of the last Execute the pool applied; True: confirmed, no Execute applied (step 0).
-ConfirmFn = Callable[[str, int, int, float], Awaitable["bool | int | None"]]
+@dataclass(frozen=True)
+class ConfirmAnswer:
+    """A confirmed pool: the step id of the last Execute it applied and, when
+    asked and known, the device blocks steps after the asked one wrote."""
+
+    applied: int
+    written: frozenset[int] | None = None
 
 
-def confirmed_step(answer: bool | int | None) -> int | None:
-    """A ConfirmFn's answer as the executor's last applied step id (None: not confirmed)."""
+# (address, incarnation, pool_generation, timeout_s, written_since_step) -> None / False: not confirmed;
+# a ConfirmAnswer; an int: confirmed, the last applied step, writes unknown; True: confirmed, step 0.
+ConfirmFn = Callable[[str, int, int, float, int], Awaitable["ConfirmAnswer | bool | int | None"]]
+
+
+def confirmed_answer(answer) -> ConfirmAnswer | None:
+    """A ConfirmFn's answer as a ConfirmAnswer (None: not confirmed)."""
     if answer is None or answer is False:
         return None
-    return 0 if answer is True else int(answer)
+    if isinstance(answer, ConfirmAnswer):
+        return answer
+    return ConfirmAnswer(0 if answer is True else int(answer))
+
+
+def answer_from_reply(reply, incarnation: int, pool_generation: int) -> ConfirmAnswer | None:
+    """A ConfirmPoolResponse as a ConfirmAnswer (None unless it confirms exactly this pool)."""
+    if not (reply.confirmed and reply.incarnation == incarnation and reply.pool_generation == pool_generation):
+        return None
+    written = frozenset(unpack_i32(reply.written_block_ids)) if reply.writes_known else None
+    return ConfirmAnswer(reply.last_step_id, written)
+
+
+def without_written(entries: list, written: frozenset[int]) -> tuple[list, int]:
+    """Mirror entries (depth, hash, block_id, tokens, parent) minus those on a
+    written block and every entry whose parent chain runs through one (no
+    lookup could reach it). -> (kept, number left out)."""
+    gone: set[bytes] = set()
+    kept = []
+    for e in sorted(entries, key=lambda e: e[0]):  # parents before children
+        depth, h, block_id, _tokens, parent = e
+        if block_id in written or (parent is not None and parent in gone):
+            gone.add(h)
+        else:
+            kept.append(e)
+    return kept, len(entries) - len(kept)
 
 _NO_PARENT = b"-" * 64
 _INT_FIELDS = ("num_blocks", "block_size", "num_swap_blocks", "pool_generation", "max_model_len", "vocab_size")
@@ -62,24 +106,24 @@ _INT_FIELDS = ("num_blocks", "block_size", "num_swap_blocks", "pool_generation",
 class RecoveryReport:
     restored: dict[str, int] = field(default_factory=dict)   # executor -> blocks rebuilt
     dropped: dict[str, str] = field(default_factory=dict)    # executor -> why
+    fenced: dict[str, int] = field(default_factory=dict)     # executor -> mirrored blocks left out (written since)
 
     @property
     def num_blocks(self) -> int:
         return sum(self.restored.values())
 
 
-async def confirm_pool_grpc(address: str, incarnation: int, pool_generation: int, timeout_s: float) -> int | None:
-    """ExecutorService.ConfirmPool at `address`: the pool's last applied step id, None when not confirmed."""
+async def confirm_pool_grpc(address: str, incarnation: int, pool_generation: int, timeout_s: float,
+                            written_since_step: int = 0) -> ConfirmAnswer | None:
+    """ExecutorService.ConfirmPool at `address` (insecure channel; the service passes its own TLS one)."""
     channel = make_channel(address)
     try:
         stub = executor_pb2_grpc.ExecutorServiceStub(channel)
         reply = await stub.ConfirmPool(
-            executor_pb2.ConfirmPoolRequest(incarnation=incarnation, pool_generation=pool_generation),
+            executor_pb2.ConfirmPoolRequest(incarnation=incarnation, pool_generation=pool_generation,
+                                            written_since_step=written_since_step),
             timeout=timeout_s)
-        if (reply.confirmed and reply.incarnation == incarnation
-                and reply.pool_generation == pool_generation):
-            return reply.last_step_id
-        return None
+        return answer_from_reply(reply, incarnation, pool_generation)
     except grpc.aio.AioRpcError as exc:
         log.info("ConfirmPool failed", address=address, code=exc.code().name)
         return None
@@ -151,30 +195,34 @@ async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmF
     report = RecoveryReport()
     records = await _records(client)
 
-    async def check(ns: Namespace, eid: str, rec: dict[str, str]) -> tuple[ExecutorSpec | None, str]:
+    async def check(ns: Namespace, eid: str, rec: dict[str, str]) -> tuple[ExecutorSpec | None, str, ConfirmAnswer | None]:
         try:
             spec = spec_from_record(eid, rec)
             published = int(rec.get("last_step_id") or 0)
         except (KeyError, ValueError) as exc:
-            return None, f"malformed record: {exc}"
+            return None, f"malformed record: {exc}", None
         if not spec.address:
-            return None, "no address to confirm with"
-        applied = confirmed_step(await confirm(spec.address, spec.incarnation, spec.pool_generation,
-                                               confirm_timeout_s))
-        if applied is None:
-            return None, "not confirmed by the executor"
-        if applied > published:
-            return None, (f"step fence: the executor applied step {applied}, the mirror was flushed "
-                          f"only up to step {published}")
-        if applied != published:
+            return None, "no address to confirm with", None
+        answer = confirmed_answer(await confirm(spec.address, spec.incarnation, spec.pool_generation,
+                                                confirm_timeout_s, published))
+        if answer is None:
+            return None, "not confirmed by the executor", None
+        if answer.applied > published and answer.written is None:
+            return None, (f"step fence: the executor applied step {answer.applied}, the mirror was flushed "
+                          f"only up to step {published}, and the blocks written since are not known"), None
+        if answer.applied < published:
             return None, (f"step fence: the mirror holds step {published}, the executor applied only "
-                          f"step {applied}")
-        return spec, ""
+                          f"step {answer.applied}"), None
+        return spec, "", answer
 
     checks = await asyncio.gather(*(check(ns, eid, rec) for ns, eid, rec in records))
-    for (ns, eid, rec), (spec, why) in zip(records, checks):
+    for (ns, eid, rec), (spec, why, answer) in zip(records, checks):
         if spec is not None:
             entries = await _blocks(client, ns, eid, spec.incarnation, page)
+            published = int(rec.get("last_step_id") or 0)
+            fenced = 0
+            if answer.applied > published:
+                entries, fenced = without_written(entries, answer.written)
             # No await from here to the end of this branch: the pool is rebuilt atomically.
             live = state.manager.executors.get(eid)
             if live is not None and (live.spec.incarnation, live.spec.pool_generation) != (
@@ -182,16 +230,20 @@ async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmF
                 why = "re-registered with another pool during recovery"
             else:
                 state.register_executor(spec)
-                writer.restore_step(eid, int(rec.get("last_step_id") or 0))  # the rewritten record keeps it
+                # What is rebuilt describes the pool as of its last applied step: the rewritten record says so.
+                writer.restore_step(eid, answer.applied)
                 pool = state.manager.executors[eid].pool
                 entries.sort(key=lambda e: -e[0])  # deepest first: evicted before their prefixes
                 n = sum(pool.restore_cached(h, block_id, tokens, parent, depth)
                         for depth, h, block_id, tokens, parent in entries)
                 report.restored[eid] = n
+                if fenced:
+                    report.fenced[eid] = fenced
                 m.RECOVERED.labels("restored").inc()
                 m.RECOVERED_BLOCKS.inc(n)
                 log.info("executor recovered from the mirror", executor_id=eid, blocks=n,
-                         incarnation=spec.incarnation)
+                         left_out_written_since_mirror=fenced, mirror_step=published,
+                         executor_step=answer.applied, incarnation=spec.incarnation)
                 continue
         inc = rec.get("incarnation")
         writer.forget(ns, eid, int(inc) if inc and inc.isdigit() else None)

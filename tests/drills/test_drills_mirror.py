@@ -33,9 +33,12 @@ def test_redis_kill(env):
     assert figures["redis_keys_after_resync"] > 0
 
 
-def test_memory_crash_under_load_serves_nothing_wrong(env):
+def test_memory_crash_under_load_rebuilds_and_serves_nothing_wrong(env):
     summary = assert_ok(run_drill(env, "memory-restart", streams=6, max_tokens=32, prefix_blocks=4,
                                   kill_signal="KILL", unconfirmed_round=False))
+    figures = summary["figures"]
+    assert figures["recovered_cached_blocks"] > 0 and not figures["fenced"]
+    assert figures["prefix_hit_after_restart_tokens"] >= 3 * 8
     assert set(summary["failures_by_status"]) <= {"UNAVAILABLE"}
 
 

@@ -1,7 +1,9 @@
 """Step fencing of restart recovery (docs/mirror.md): the executor record's
 `last_step_id` names the last Step with rows for that executor whose events
-are all in Redis; recovery restores an executor only when ConfirmPool's
-last applied step id equals it. Real redis-server, in-process memory state."""
+are all in Redis; recovery restores everything when ConfirmPool's last
+applied step equals it, everything but the blocks written since when the
+executor applied more and can list them, nothing otherwise. Real
+redis-server, in-process memory state."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 from mirror_helpers import Stepper, make_state, spec, start_writer, sync_client
 
 from memory_service.mirror.batch import namespace_of
-from memory_service.mirror.recovery import recover
+from memory_service.mirror.recovery import ConfirmAnswer, recover, without_written
 from memory_service.records import StepInput
 
 PROMPT = list(range(1, 14))  # 3 full blocks of 4 (+1)
@@ -24,8 +26,8 @@ def recorded_step(url: str, executor_id: str = "e0") -> int | None:
 def answering(last_step_id):
     calls = []
 
-    async def confirm(address, incarnation, pool_generation, timeout_s):
-        calls.append((address, incarnation, pool_generation))
+    async def confirm(address, incarnation, pool_generation, timeout_s, written_since_step=0):
+        calls.append((address, incarnation, pool_generation, written_since_step))
         return last_step_id
 
     confirm.calls = calls
@@ -97,7 +99,9 @@ async def test_a_burst_carries_the_step_id_on_its_last_chunk_only(redis_proc):
 
 @pytest.mark.parametrize("applied, restored", [
     (3, True),    # the executor applied exactly what was published
-    (5, False),   # it executed step 5, whose events never reached Redis (the write-behind hole)
+    (5, False),   # it executed step 5, whose events never reached Redis, and cannot list what it wrote
+    (ConfirmAnswer(5, None), False),  # the same, said explicitly (its log no longer reaches step 3)
+    (ConfirmAnswer(5, frozenset()), True),  # it executed step 5, which wrote none of the cached blocks
     (1, False),   # the mirror holds step 3, which the executor never applied
     (None, False),
 ])
@@ -120,10 +124,11 @@ async def test_recovery_restores_only_when_the_executor_applied_what_was_publish
     confirm = answering(applied)
     state2, writer2, report = await _recover(redis_proc.url, confirm)
     try:
-        assert len(confirm.calls) == 1
+        assert len(confirm.calls) == 1 and confirm.calls[0][3] == 3  # asked for the writes since step 3
         if restored:
-            assert report.restored == {"e0": 5} and not report.dropped
-            assert recorded_step(redis_proc.url) == 3  # the rewritten record keeps the fence
+            assert report.restored == {"e0": 5} and not report.dropped and not report.fenced
+            # the rewritten record stands for the executor's step
+            assert recorded_step(redis_proc.url) == (applied if isinstance(applied, int) else applied.applied)
         else:
             assert report.restored == {} and "e0" in report.dropped
             assert ("step fence" in report.dropped["e0"]) == (applied is not None)
@@ -159,3 +164,47 @@ async def test_an_idle_executor_recovers_across_two_restarts(redis_proc):
     assert "e1" in report.restored and "e0" in report.dropped  # e0's 41 != 0
     await writer.stop()
     state.close()
+
+
+async def test_blocks_written_after_the_mirror_are_left_out_with_their_descendants(redis_proc):
+    state = make_state()
+    writer = await start_writer(state, redis_proc.url)
+    state.register_executor(spec("e0", address=ADDRESS, num_blocks=32))
+    steps = Stepper(state)
+    a = steps.prefill("e0", PROMPT)                        # step 1: 3 full blocks (a chain)
+    a_blocks = list(state.manager.seqs[a].block_ids)
+    b = steps.prefill("e0", [9] * 9)                       # step 2: 2 full blocks
+    b_blocks = list(state.manager.seqs[b].block_ids)
+    steps.free(a, b)                                       # step 3
+    await writer.sync()
+    assert recorded_step(redis_proc.url) == 2
+    await writer.abort()
+    state.close()
+    # Steps 3..6 ran on the executor but never reached Redis; one of them overwrote
+    # PROMPT's second block (and an unrelated free block 31).
+    confirm = answering(ConfirmAnswer(6, frozenset({a_blocks[1], 31})))
+    state2, writer2, report = await _recover(redis_proc.url, confirm)
+    try:
+        assert report.restored == {"e0": 3} and report.fenced == {"e0": 2} and not report.dropped
+        pool = state2.manager.executors["e0"].pool
+        cached_ids = {blk.block_id for blk in pool.cached.values()}
+        assert cached_ids == {a_blocks[0], *b_blocks[:2]}  # PROMPT's block 2 hangs off the overwritten one
+        assert recorded_step(redis_proc.url) == 6
+        # a prompt sharing PROMPT's first block hits it, and only it
+        again = Stepper(state2)
+        again.step_id, again.seq_id = 6, 10
+        seq = again.prefill("e0", PROMPT)
+        assert state2.manager.seqs[seq].block_ids[0] == a_blocks[0]
+        assert state2.manager.executors["e0"].counters.prefix_hit_tokens == 4
+    finally:
+        await writer2.stop()
+        state2.close()
+
+
+def test_without_written_drops_chains_through_written_blocks():
+    h = [bytes([i]) * 32 for i in range(6)]
+    entries = [(0, h[0], 10, (), None), (1, h[1], 11, (), h[0]), (2, h[2], 12, (), h[1]),
+               (0, h[3], 13, (), None), (1, h[4], 14, (), h[3]), (0, h[5], 15, (), None)]
+    kept, gone = without_written(entries, frozenset({11, 15}))
+    assert sorted(e[2] for e in kept) == [10, 13, 14] and gone == 3
+    assert without_written(entries, frozenset()) == (sorted(entries, key=lambda e: e[0]), 0)
