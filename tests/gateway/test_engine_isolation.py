@@ -10,22 +10,9 @@ import asyncio
 import grpc
 import pytest
 import pytest_asyncio
-from gateway_harness import Oracle, generate, start_stack
+from gateway_harness import generate, start_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from executor_service.demo_model import build_demo_model
-
-    return str(build_demo_model(tmp_path_factory.mktemp("iso") / "demo", vocab_size=320,
-                                max_position_embeddings=256))
-
-
-@pytest.fixture(scope="module")
-def oracle(model):
-    return Oracle(model)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

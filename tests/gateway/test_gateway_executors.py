@@ -15,14 +15,6 @@ from kvpager.v1 import gateway_pb2, memory_pb2
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from executor_service.demo_model import build_demo_model
-
-    return str(build_demo_model(tmp_path_factory.mktemp("gwe") / "demo", vocab_size=320,
-                                max_position_embeddings=256))
-
-
 async def test_repeated_prefix_goes_to_the_executor_that_holds_it(model):
     stack = await start_stack(model, executors=2, num_blocks=64, block_size=4)
     try:

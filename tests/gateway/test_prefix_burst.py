@@ -10,24 +10,11 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-from gateway_harness import Oracle, generate, start_stack
+from gateway_harness import generate, start_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SYSTEM = list(range(100, 148))  # 12 full blocks of 4
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from executor_service.demo_model import build_demo_model
-
-    return str(build_demo_model(tmp_path_factory.mktemp("pb") / "demo", vocab_size=320,
-                                max_position_embeddings=256))
-
-
-@pytest.fixture(scope="module")
-def oracle(model):
-    return Oracle(model)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
