@@ -8,11 +8,8 @@ from gateway_harness import Oracle
 
 
 @pytest.fixture(scope="session")
-def model(tmp_path_factory):
-    from executor_service.demo_model import build_demo_model
-
-    return str(build_demo_model(tmp_path_factory.mktemp("gw") / "demo", vocab_size=320,
-                                max_position_embeddings=256))
+def model(demo_checkpoint):
+    return demo_checkpoint
 
 
 @pytest.fixture(scope="session")

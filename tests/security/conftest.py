@@ -6,11 +6,8 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def security_model(tmp_path_factory):
-    from executor_service.demo_model import build_demo_model
-
-    return str(build_demo_model(tmp_path_factory.mktemp("security") / "demo", vocab_size=320,
-                                max_position_embeddings=256))
+def security_model(demo_checkpoint):
+    return demo_checkpoint
 
 
 @pytest.fixture(scope="session")
