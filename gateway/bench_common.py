@@ -282,12 +282,13 @@ def step_totals(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) 
     executor-0, memory) spent their time, in seconds, from the services' own
     timers: forward and sample (executor), execute_handler_other (the rest of
     the Execute handler: decoding, validation, input building, packing),
-    execute_rpc_other (the gateway's execute phase outside that handler:
-    building the request, transport, waiting for the gateway's event loop),
-    memory_step (the gateway's plan phase: schedule + Step RPC; of it
-    memory_step_handler inside the memory service and memory_step_inproc the
-    Step itself), gateway_other (the gateway step's remainder: applying
-    results)."""
+    execute_rpc_other (the gateway's execute phase, from sending the
+    Execute to taking up its reply, outside that handler: transport, waiting
+    for the gateway's event loop), memory_step (the gateway's plan phase:
+    schedule + Step RPC; of it memory_step_handler inside the memory service
+    and memory_step_inproc the Step itself), gateway_other (the step's
+    remainder: building the Execute requests, applying results). With one
+    executor the step phases add up to the step; with several, steps overlap."""
 
     def d(service: str, name: str, **labels) -> float:
         return metric_sum(b[service], name, **labels) - metric_sum(a[service], name, **labels)

@@ -79,6 +79,9 @@ class Engine:
         # requests' queues: a step's tokens are released once the next step's
         # Execute is on its way, so the streams run while the executor computes.
         self._outbox: list[tuple[asyncio.Queue, object]] = []
+        # Execute calls on their way, oldest first: (executor, task, plan rows, send time, step
+        # start). An executor with one in flight is busy; the others join the next Step meanwhile.
+        self._inflight: list[tuple[ExecutorClient, asyncio.Task, list, float, float]] = []
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -105,6 +108,9 @@ class Engine:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
+        for _, task, *_ in self._inflight:
+            task.cancel()
+        self._inflight = []
         for req in list(self.requests.values()):
             self._fail_request(req, Unavailable("gateway is shutting down"))
         self._flush_outbox()
@@ -234,14 +240,22 @@ class Engine:
                     or self._executor_updates is not None)
 
     async def _run(self) -> None:
+        """Executors are not stepped in lockstep: each Step plans for the
+        executors that are idle, their Executes go out, and the loop plans
+        again as soon as any executor is back (or new work arrives for an idle
+        one), so a slow executor does not hold up the others. Step ids stay
+        increasing at the memory service (one Step at a time) and at each
+        executor (one Execute at a time per executor)."""
         while not self._stopping:
-            if not self._has_work():
+            if not self._has_work() and not self._inflight:
                 self._flush_outbox()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
                 await self._step()
+                if self._inflight:
+                    await self._collect()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the loop must survive anything one step does
@@ -250,6 +264,42 @@ class Engine:
                 await self._reset(err)
                 self._flush_outbox()
             await asyncio.sleep(0)  # let new requests run between steps
+
+    async def _collect(self) -> None:
+        """Wait until an Execute returns (or new work wakes the loop: an idle
+        executor may take it now), then apply every finished one in order."""
+        if not any(task.done() for _, task, *_ in self._inflight) and not self._wake.is_set():
+            waker = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait([waker, *(task for _, task, *_ in self._inflight)],
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waker.cancel()
+        pending, blocked = [], set()
+        for entry in self._inflight:
+            ex, task, rows, t_sent, t_step = entry
+            if not task.done() or ex.executor_id in blocked:
+                pending.append(entry)
+                blocked.add(ex.executor_id)  # an executor's results are applied in step order
+                continue
+            metrics.STEP_SECONDS.labels("execute").observe(time.perf_counter() - t_sent)
+            self._finish_execute(ex, rows, task)
+            metrics.STEP_SECONDS.labels("total").observe(time.perf_counter() - t_step)
+        self._inflight = pending
+
+    def _finish_execute(self, ex: ExecutorClient, rows: list, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if self.executors.get(ex.executor_id) is not ex:
+            return  # lost (or replaced) while the call ran: its requests have ended already
+        exc = task.exception()
+        if exc is not None:
+            if isinstance(exc, KvpagerError) and not isinstance(exc, Unavailable):
+                log.error("executor rejected a step", executor_id=ex.executor_id, error=exc.message)
+            self._lose_executor(ex, exc if isinstance(exc, KvpagerError) else Unavailable(str(exc)),
+                                deregister=True)
+            return
+        self._apply_results(rows, task.result())
 
     async def _reset(self, error: KvpagerError, release: bool | None = None) -> None:
         """A step failed as a whole: end every request, release what we can
@@ -295,11 +345,13 @@ class Engine:
             updates, self._executor_updates = self._executor_updates, None
             await self._apply_executor_list(updates)
         self._apply_aborts()
+        self._wake.clear()  # what arrives from here on wakes the next round (see _collect)
         t0 = time.perf_counter()
-        sched_ids, sched_n, new_seqs = self._schedule()
+        busy = {ex.executor_id for ex, *_ in self._inflight}
+        sched_ids, sched_n, new_seqs = self._schedule(busy)
         if not (sched_ids or self._forks or self._appends or self._to_free or self._to_abort):
             self._flush_outbox()
-            if self.seqs:
+            if self.seqs and not self._inflight:
                 await asyncio.sleep(0.005)  # nothing fits now (waiting for executors)
             return
         self._step_id += 1
@@ -334,7 +386,6 @@ class Engine:
                 self.seqs[new.seq_id].created = True
         t_plan = time.perf_counter()
         self._apply_plan_outcomes(plan)
-        calls = []
         for ep in plan.executor_plans:
             ex = self.executors.get(ep.executor_id)
             if ex is None or not ex.alive:
@@ -343,28 +394,17 @@ class Engine:
             ops = ep.cache_ops
             if rows or ops.copy_src or ops.swap_out_src or ops.swap_in_src:
                 # a plan with only cache ops (a swap-out of a preempted sequence) must still run
-                calls.append((ex, exec_req, rows))
-        tasks = [asyncio.ensure_future(ex.execute(r, self.config.step_timeout_s)) for ex, r, _ in calls]
+                task = asyncio.ensure_future(ex.execute(exec_req, self.config.step_timeout_s))
+                self._inflight.append((ex, task, rows, time.perf_counter(), t0))
         self._flush_outbox()  # the Execute calls go out first; the streams run during the forward
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        t_exec = time.perf_counter()
-        for (ex, _, rows), result in zip(calls, results):
-            if isinstance(result, BaseException):
-                if isinstance(result, KvpagerError) and not isinstance(result, Unavailable):
-                    log.error("executor rejected a step", executor_id=ex.executor_id, error=result.message)
-                self._lose_executor(ex, result if isinstance(result, KvpagerError)
-                                    else Unavailable(str(result)), deregister=True)
-                continue
-            self._apply_results(rows, result)
         metrics.STEP_SECONDS.labels("plan").observe(t_plan - t0)
-        metrics.STEP_SECONDS.labels("execute").observe(t_exec - t_plan)
-        metrics.STEP_SECONDS.labels("total").observe(time.perf_counter() - t0)
         metrics.SCHEDULED_SEQS.observe(len(sched_ids))
 
-    def _schedule(self) -> tuple[list[int], list[int], list[memory_pb2.NewSequence]]:
-        """What to ask the memory service to compute, in priority order."""
+    def _schedule(self, busy: set[str] = frozenset()) -> tuple[list[int], list[int], list[memory_pb2.NewSequence]]:
+        """What to ask the memory service to compute, in priority order, on
+        the executors not busy with an earlier step."""
         cfg = self.config
-        alive = self.executors
+        alive = {eid: ex for eid, ex in self.executors.items() if eid not in busy}
         if cfg.policy == "priority":
             def key(s: Seq):
                 return (s.request.priority, s.request.arrival, s.seq_id)

@@ -53,19 +53,21 @@ async def test_new_prefixes_spread_over_executors_by_footprint(stack):
     assert fp["executor-0"] == fp["executor-1"]
 
 
-async def test_token_budget_is_per_executor(stack, oracle):
+async def test_token_budget_is_per_executor_and_executors_step_independently(stack, oracle):
     """Two long prompts on two executors prefill side by side: each executor
-    gets max_batch_tokens a step (one shared budget ran them one after the other)."""
+    gets max_batch_tokens a step (one shared budget ran them one after the
+    other), and neither waits for the other's Execute to plan its next step."""
     engine, router = stack.gateway.engine, stack.gateway.router
     engine.config.max_batch_tokens = 16
     prompts = {"executor-0": [30 + i % 50 for i in range(60)], "executor-1": [90 + i % 40 for i in range(60)]}
-    steps = []
+    steps = []  # per Step: [(executor, tokens)] scheduled
     real_step, real_choose = engine.memory.step, router.choose
 
     async def step(request, timeout_s=None):
-        from kvpager.packed import unpack_i32
+        from kvpager.packed import unpack_i32, unpack_i64
 
-        steps.append(list(unpack_i32(request.schedule_num_tokens)))
+        ids, nums = unpack_i64(request.schedule_seq_ids), unpack_i32(request.schedule_num_tokens)
+        steps.append([(engine.seqs[i].executor_id, n) for i, n in zip(ids, nums) if i in engine.seqs])
         return await real_step(request, timeout_s)
 
     async def choose(prompt_ids, cache_salt, deadline=None):
@@ -80,8 +82,48 @@ async def test_token_budget_is_per_executor(stack, oracle):
         engine.config.max_batch_tokens = 512
     for p, res in zip(prompts.values(), results):
         assert res[0][0] == oracle.greedy(p, 3, min_new_tokens=3)
-    assert [16, 16] in steps  # both executors' chunks in one step
-    assert max(sum(s) for s in steps) == 32
+    for s in steps:
+        for eid in prompts:
+            assert sum(n for e, n in s if e == eid) <= 16
+    chunks = {eid: [i for i, s in enumerate(steps) if (eid, 16) in s] for eid in prompts}
+    assert all(len(c) >= 3 for c in chunks.values())
+    # the prefills overlap: each executor's first chunk comes before the other's last one
+    assert chunks["executor-1"][0] < chunks["executor-0"][-1] and chunks["executor-0"][0] < chunks["executor-1"][-1]
+    await stack.wait_idle()
+
+
+async def test_a_slow_executor_does_not_hold_up_the_other(stack, oracle):
+    """Executor-0's every Execute is delayed 0.3 s (injected in the gateway's
+    client for it); a request on executor-1 still streams at its own pace
+    (stepped in lockstep it would wait 0.3 s a token)."""
+    import time
+
+    engine, router = stack.gateway.engine, stack.gateway.router
+    slow = engine.executors["executor-0"]
+    real_execute, real_choose = slow.execute, router.choose
+    slow_p, fast_p = [11, 12, 13, 14, 15], [21, 22, 23, 24, 25]
+
+    async def delayed(request, timeout_s=None):
+        await asyncio.sleep(0.3)
+        return await real_execute(request, timeout_s)
+
+    async def choose(prompt_ids, cache_salt, deadline=None):
+        return "executor-0" if prompt_ids == slow_p else "executor-1"
+
+    slow.execute, router.choose = delayed, choose
+    try:
+        slow_call = asyncio.ensure_future(generate(stack.gw, slow_p, max_tokens=8, ignore_eos=True))
+        await asyncio.sleep(0.1)  # executor-0 is busy now
+        t0 = time.monotonic()
+        fast = await generate(stack.gw, fast_p, max_tokens=12, ignore_eos=True)
+        fast_s = time.monotonic() - t0
+        assert not slow_call.done()
+        slow_res = await slow_call
+    finally:
+        slow.execute, router.choose = real_execute, real_choose
+    assert fast_s < 12 * 0.3 / 2, f"the fast request took {fast_s:.2f} s"
+    assert fast[0][0] == oracle.greedy(fast_p, 12, min_new_tokens=12)
+    assert slow_res[0][0] == oracle.greedy(slow_p, 8, min_new_tokens=8)
     await stack.wait_idle()
 
 
