@@ -1,9 +1,12 @@
 """`kvpager bench routing --json`: prefix-aware routing vs round-robin.
 
-Four executors (the tiny demo model, small KV pools) behind one gateway; a
-prefix-repetition workload (``--num-prefixes`` shared prefixes, each
-followed by distinct suffixes, groups interleaved) from a closed-loop client
-(``--max-concurrency`` requests in flight). The same trace runs once with
+Four executors (the 30M random Llama of compare-hf, small KV pools: the
+caches compete) behind one gateway; a prefix-repetition workload
+(``--num-prefixes`` shared prefixes, each followed by distinct suffixes,
+groups interleaved) from a closed-loop client (``--max-concurrency``
+requests in flight). The default model is the 30M one because prefix
+routing saves prefill compute: on the 0.2M demo model (``--model demo``) a
+forward costs next to nothing and the comparison measures RPC overhead. The same trace runs once with
 ``--routing prefix`` (the executor already holding the longest prefix wins,
 balanced against load) and once with ``--routing round-robin``, each on a
 fresh stack, ``--repeats`` times alternating.
@@ -29,12 +32,12 @@ NAME = "routing"
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(NAME, help="prefix-aware routing vs round-robin over 4 executors")
-    p.add_argument("--model", default=None, help="checkpoint dir or 'demo' (default)")
+    p.add_argument("--model", default="llama-30m", help="checkpoint dir, 'llama-30m' (default) or 'demo'")
     p.add_argument("--executors", type=int, default=4)
-    p.add_argument("--num-blocks", type=int, default=224, help="KV blocks per executor (small: caches compete)")
-    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--num-blocks", type=int, default=160, help="KV blocks per executor (small: caches compete)")
+    p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--num-prefixes", type=int, default=8)
-    p.add_argument("--prefix-len", type=int, default=1536)
+    p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--max-concurrency", type=int, default=16)
