@@ -16,3 +16,6 @@ SCORE_LATENCY = Histogram("kvpager_mirror_score_seconds", "Prefix score round tr
                           buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25))
 RECOVERED = Counter("kvpager_mirror_recovery_total", "Executors seen at restart recovery by outcome.", ["outcome"])
 RECOVERED_BLOCKS = Counter("kvpager_mirror_recovered_blocks_total", "Cached blocks rebuilt from the mirror.")
+FENCED_BLOCKS = Counter("kvpager_mirror_recovery_left_out_blocks_total",
+                        "Mirrored blocks left out at recovery: written by steps the mirror never saw (or chained "
+                        "through such a block).")

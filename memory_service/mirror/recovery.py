@@ -239,6 +239,7 @@ async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmF
                 report.restored[eid] = n
                 if fenced:
                     report.fenced[eid] = fenced
+                    m.FENCED_BLOCKS.inc(fenced)
                 m.RECOVERED.labels("restored").inc()
                 m.RECOVERED_BLOCKS.inc(n)
                 log.info("executor recovered from the mirror", executor_id=eid, blocks=n,

@@ -182,10 +182,14 @@ async def test_blocks_written_after_the_mirror_are_left_out_with_their_descendan
     state.close()
     # Steps 3..6 ran on the executor but never reached Redis; one of them overwrote
     # PROMPT's second block (and an unrelated free block 31).
+    from memory_service.mirror import metrics as mirror_metrics
+
+    left_out = mirror_metrics.FENCED_BLOCKS._value.get()
     confirm = answering(ConfirmAnswer(6, frozenset({a_blocks[1], 31})))
     state2, writer2, report = await _recover(redis_proc.url, confirm)
     try:
         assert report.restored == {"e0": 3} and report.fenced == {"e0": 2} and not report.dropped
+        assert mirror_metrics.FENCED_BLOCKS._value.get() == left_out + 2
         pool = state2.manager.executors["e0"].pool
         cached_ids = {blk.block_id for blk in pool.cached.values()}
         assert cached_ids == {a_blocks[0], *b_blocks[:2]}  # PROMPT's block 2 hangs off the overwritten one
