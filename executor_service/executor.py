@@ -34,6 +34,9 @@ from executor_service.step import (
 )
 from executor_service.write_log import WriteLog
 from kvpager.errors import ResourceExhausted
+from kvpager.telemetry import get_logger
+
+log = get_logger(__name__)
 
 SWAP_DEFAULT_MAX_BYTES = 4 * GIB
 
@@ -208,6 +211,7 @@ class Executor:
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
             raise ResourceExhausted(f"cannot allocate a KV pool of {num_blocks} blocks: {exc}") from exc
         self._kv_caches = self.pool.layer_caches()
+        self.max_model_len = self._fit_model_len(num_blocks * config.block_size)
         self.executor_id = config.executor_id
         self.model_id = config.model_id or Path(config.model).resolve().name
         self.incarnation = new_incarnation()
@@ -237,6 +241,21 @@ class Executor:
         if asked < 1 or asked > limit:
             raise ValueError(f"max_model_len {asked} must be in [1, {limit}] for this model")
         return asked
+
+    def _fit_model_len(self, pool_tokens: int) -> int:
+        """The context limit, no longer than the pool can hold: a sequence
+        that could never fit is then refused when it arrives (the gateway
+        validates against this limit) instead of after it has queued. An
+        explicit --max-model-len over the pool is a configuration error (as
+        in vLLM); the model's own limit is lowered, with a warning."""
+        if self.max_model_len <= pool_tokens:
+            return self.max_model_len
+        if self.config.max_model_len is not None:
+            raise ValueError(f"max_model_len {self.max_model_len} does not fit the KV pool ({pool_tokens} tokens); "
+                             f"give more blocks (--num-blocks / --kv-cache-gib) or a smaller --max-model-len")
+        log.warning("context limit lowered to what the KV pool holds", model_max_len=self.max_model_len,
+                    pool_tokens=pool_tokens)
+        return pool_tokens
 
     def _num_blocks(self, per_block: int) -> int:
         cfg = self.config

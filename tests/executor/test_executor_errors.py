@@ -201,3 +201,19 @@ def test_empty_step_with_only_cache_ops(serve):
         swap_out_src=packed.pack_i32([3]), swap_out_dst=packed.pack_i32([0])))
     resp = served.stub.Execute(req, timeout=30)
     assert resp.step_id == 9 and resp.sampled_token_ids == b""
+
+
+def test_context_limit_fits_the_pool(tmp_path):
+    """The model's limit is lowered to what the pool holds (so a request
+    that could never fit is refused on arrival); an explicit one over the pool
+    is a configuration error."""
+    from executor_service.config import ExecutorConfig
+    from executor_service.demo_model import build_demo_model
+    from executor_service.executor import Executor
+
+    model = str(build_demo_model(tmp_path / "m", vocab_size=320, max_position_embeddings=256))
+    assert Executor(ExecutorConfig(model=model, num_blocks=16, block_size=4)).max_model_len == 64
+    assert Executor(ExecutorConfig(model=model, num_blocks=128, block_size=4)).max_model_len == 256
+    assert Executor(ExecutorConfig(model=model, num_blocks=16, block_size=4, max_model_len=48)).max_model_len == 48
+    with pytest.raises(ValueError, match="does not fit the KV pool"):
+        Executor(ExecutorConfig(model=model, num_blocks=16, block_size=4, max_model_len=128))
