@@ -421,3 +421,25 @@ async def wait_routed(clients: Clients, num_executors: int, timeout_s: float = 6
         if time.monotonic() > deadline:
             raise TimeoutError(f"gateway does not route to {num_executors} executors after {timeout_s:g}s")
         await asyncio.sleep(0.1)
+
+
+async def start_streams(clients: Clients, prompts: list[list[int]], max_tokens: int,
+                        timeout_s: float = 60.0) -> tuple[list[asyncio.Future], int]:
+    """Greedy streams for ``prompts``, waited on until every one has its first
+    tokens (or ``timeout_s``). -> (the stream tasks, how many had started)."""
+    started = asyncio.Event()
+    num_started = 0
+
+    def on_first() -> None:
+        nonlocal num_started
+        num_started += 1
+        if num_started == len(prompts):
+            started.set()
+
+    tasks = [asyncio.ensure_future(clients.generate(greedy_request(p, max_tokens), on_first=on_first))
+             for p in prompts]
+    try:
+        await asyncio.wait_for(started.wait(), timeout_s)
+    except TimeoutError:
+        pass
+    return tasks, num_started

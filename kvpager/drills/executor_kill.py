@@ -16,7 +16,7 @@ import dataclasses
 import signal
 import time
 
-from kvpager.drills.common import DrillEnv, DrillResult, greedy_request, random_prompt, wait_routed
+from kvpager.drills.common import DrillEnv, DrillResult, greedy_request, random_prompt, start_streams, wait_routed
 from kvpager.drills.runner import Needs
 from kvpager.v1 import memory_pb2
 
@@ -57,20 +57,8 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
     for p in prompts:
         await env.reference(p, opts.max_tokens)
 
-    started = asyncio.Event()
-    num_started = 0
-
-    def on_first() -> None:
-        nonlocal num_started
-        num_started += 1
-        if num_started == len(prompts):
-            started.set()
-
-    tasks = [asyncio.ensure_future(c.generate(greedy_request(p, opts.max_tokens), on_first=on_first))
-             for p in prompts]
-    try:
-        await asyncio.wait_for(started.wait(), 60)
-    except TimeoutError:
+    tasks, num_started = await start_streams(c, prompts, opts.max_tokens)
+    if num_started < len(prompts):
         result.violation(f"only {num_started} of {len(prompts)} streams started before the kill")
     load = {p.executor_id: p.num_sequences for p in (await c.accounting()).executors}
     t_kill = time.monotonic()

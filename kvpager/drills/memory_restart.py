@@ -26,7 +26,7 @@ import dataclasses
 import signal
 import time
 
-from kvpager.drills.common import DrillEnv, DrillResult, greedy_request, random_prompt, wait_routed
+from kvpager.drills.common import DrillEnv, DrillResult, greedy_request, random_prompt, start_streams, wait_routed
 from kvpager.drills.redis_kill import wait_mirror
 from kvpager.drills.runner import Needs
 
@@ -83,21 +83,7 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
     figures: dict = {}
 
     # Round 1: kill the memory service under load, restart it, recover from the mirror.
-    started = asyncio.Event()
-    num_started = 0
-
-    def on_first() -> None:
-        nonlocal num_started
-        num_started += 1
-        if num_started == len(prompts):
-            started.set()
-
-    tasks = [asyncio.ensure_future(c.generate(greedy_request(p, opts.max_tokens), on_first=on_first))
-             for p in prompts]
-    try:
-        await asyncio.wait_for(started.wait(), 60)
-    except TimeoutError:
-        pass
+    tasks, _ = await start_streams(c, prompts, opts.max_tokens)
     sig = getattr(signal, f"SIG{opts.kill_signal.upper().removeprefix('SIG')}")
     t_kill = time.monotonic()
     env.stack.kill("memory", sig)

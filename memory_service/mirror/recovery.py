@@ -195,7 +195,8 @@ async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmF
     report = RecoveryReport()
     records = await _records(client)
 
-    async def check(ns: Namespace, eid: str, rec: dict[str, str]) -> tuple[ExecutorSpec | None, str, ConfirmAnswer | None]:
+    async def check(ns: Namespace, eid: str,
+                    rec: dict[str, str]) -> tuple[ExecutorSpec | None, str, ConfirmAnswer | None]:
         try:
             spec = spec_from_record(eid, rec)
             published = int(rec.get("last_step_id") or 0)
