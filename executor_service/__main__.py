@@ -1,7 +1,7 @@
-"""``python -m executor_service [args]`` = ``kvpager executor [args]``."""
+"""`python -m executor_service`: run an executor."""
 
 import sys
 
-from kvpager.cli import main
+from executor_service.cli import main
 
-sys.exit(main(["executor", *sys.argv[1:]]))
+sys.exit(main())

@@ -1,4 +1,4 @@
-"""``kvpager executor`` (also ``python -m executor_service``)."""
+"""The executor's entry point: ``python -m executor_service`` (also ``kvpager executor``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from executor_service.config import BACKENDS, DTYPES, ExecutorConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF checkpoint directory (default: the demo model, built once)")
+    p.add_argument("--model", required=True, help="local HF checkpoint directory")
     p.add_argument("--model-id", default=None, help="identity sent to the memory service (default: dir name)")
     p.add_argument("--executor-id", default="executor-0")
     p.add_argument("--host", default="127.0.0.1")
@@ -36,10 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
     model = args.model
-    if model is None:
-        from executor_service.demo_model import ensure_demo_model
-
-        model = str(ensure_demo_model())
     from kvpager.security import security_from_args
 
     extra = {"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib is not None else {}
@@ -69,13 +65,16 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
     )
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("executor", help="run an executor (KV pool + model) gRPC server")
+HELP = "run an executor (KV pool + model) gRPC server"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m executor_service", description=HELP)
     add_arguments(p)
-    p.set_defaults(func=main)
+    return run(p.parse_args(argv))
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvpager.telemetry import configure_logging

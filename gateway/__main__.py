@@ -1,7 +1,7 @@
-"""`python -m gateway` == `kvpager gateway`."""
+"""`python -m gateway`: run the gateway."""
 
 import sys
 
-from kvpager.cli import main
+from gateway.cli import main
 
-sys.exit(main(["gateway", *sys.argv[1:]]))
+sys.exit(main())

@@ -1,4 +1,4 @@
-"""`kvpager gateway`: run the client-facing gateway and engine loop."""
+"""The gateway's entry point: `python -m gateway` (also `kvpager gateway`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import asyncio
 import sys
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gateway", help="run the gateway (client API + continuous batching)")
+HELP = "run the gateway (client API + continuous batching)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (its tokenizer is used)")
     p.add_argument("--memory-address", default="127.0.0.1:50051")
     p.add_argument("--host", default="127.0.0.1")
@@ -36,7 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     from kvpager.security import add_security_arguments
 
     add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True)
-    p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -78,3 +79,9 @@ def run(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gateway", description=HELP)
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,7 +1,7 @@
-"""`python -m memory_service` == `kvpager memory`."""
+"""`python -m memory_service`: run the memory service."""
 
 import sys
 
-from kvpager.cli import main
+from memory_service.cli import main
 
-sys.exit(main(["memory", *sys.argv[1:]]))
+sys.exit(main())

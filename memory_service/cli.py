@@ -1,4 +1,4 @@
-"""`kvpager memory`: run the memory service."""
+"""The memory service's entry point: `python -m memory_service` (also `kvpager memory`)."""
 
 from __future__ import annotations
 
@@ -26,12 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvpager.security import add_security_arguments
 
     add_security_arguments(p, server=True, client=True, admin_token=True, open_read_only=True)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("memory", help="run the KV memory service (control plane)")
-    add_arguments(p)
-    p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -67,3 +61,12 @@ def run(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+HELP = "run the KV memory service (control plane)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m memory_service", description=HELP)
+    add_arguments(p)
+    return run(p.parse_args(argv))

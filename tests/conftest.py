@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory) -> str:
     """The tiny random Llama (vocab 320, 256 positions) most stack tests run on, built once."""
-    from executor_service.demo_model import build_demo_model
+    from kvpager_tools.demo_model import build_demo_model
 
     return str(build_demo_model(tmp_path_factory.mktemp("demo") / "demo", vocab_size=320,
                                 max_position_embeddings=256))

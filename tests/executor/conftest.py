@@ -35,7 +35,7 @@ from kvpager.v1 import executor_pb2, executor_pb2_grpc
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """name -> checkpoint dir, built lazily once per session."""
-    from executor_service.demo_model import build_demo_model
+    from kvpager_tools.demo_model import build_demo_model
 
     built: dict[str, str] = {}
     root = tmp_path_factory.mktemp("ckpt")

@@ -208,7 +208,7 @@ def test_context_limit_fits_the_pool(tmp_path):
     that could never fit is refused on arrival); an explicit one over the pool
     is a configuration error."""
     from executor_service.config import ExecutorConfig
-    from executor_service.demo_model import build_demo_model
+    from kvpager_tools.demo_model import build_demo_model
     from executor_service.executor import Executor
 
     model = str(build_demo_model(tmp_path / "m", vocab_size=320, max_position_embeddings=256))

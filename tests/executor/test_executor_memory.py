@@ -6,7 +6,6 @@ matches transformers' generate (prefix hit included)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -14,18 +13,13 @@ from executor_harness import prompts
 from executor_service.config import ExecutorConfig
 from executor_service.service import start_executor_server
 from kvpager import packed
+from kvpager_tools.ports import free_port
 from kvpager.channel import make_channel
 from kvpager.v1 import executor_pb2, executor_pb2_grpc, memory_pb2, memory_pb2_grpc
 from memory_service.service import MemoryConfig, MemoryServer
 
 CKPT = "llama_gqa"
 BS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _health(address: str) -> int:
@@ -48,7 +42,7 @@ async def _executors(address: str) -> list:
 
 
 async def test_registers_when_memory_comes_up_and_after_it_restarts(checkpoints):
-    port = _free_port()
+    port = free_port()
     memory_address = f"127.0.0.1:{port}"
     cfg = ExecutorConfig(model=checkpoints(CKPT), executor_id="reg-test", num_blocks=32, block_size=BS,
                          swap_blocks=8, device="cpu", dtype="float32", memory_address=memory_address,

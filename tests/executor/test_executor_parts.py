@@ -49,7 +49,7 @@ def test_pool_swap_out_in_and_copy_move_whole_blocks_of_every_layer():
 def test_demo_model_cli_is_deterministic_and_loads(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
-    from kvpager.cli import main
+    from kvpager_tools.cli import main
 
     args = ["--arch", "mistral", "--layers", "1", "--hidden-size", "32", "--heads", "2", "--kv-heads", "1",
             "--vocab-size", "300"]
@@ -67,7 +67,7 @@ def test_demo_model_cli_is_deterministic_and_loads(tmp_path):
 
 
 def test_ensure_demo_model_builds_once(tmp_path, monkeypatch):
-    from executor_service.demo_model import ensure_demo_model
+    from kvpager_tools.demo_model import ensure_demo_model
 
     monkeypatch.setenv("KVPAGER_HOME", str(tmp_path))
     path = ensure_demo_model()
@@ -93,7 +93,7 @@ def _greedy_in_process(executor, prompt: list[int], num_new: int) -> list[int]:
 
 def test_mistral_in_process_matches_generate(tmp_path):
     from executor_service.config import ExecutorConfig
-    from executor_service.demo_model import build_demo_model
+    from kvpager_tools.demo_model import build_demo_model
     from executor_service.executor import Executor
 
     path = build_demo_model(tmp_path / "mistral", arch="mistral", vocab_size=300, seed=5)
@@ -132,11 +132,9 @@ def test_cli_serves_and_stops_on_sigterm(checkpoints):
 
     from kvpager.v1 import executor_pb2, executor_pb2_grpc
 
-    import socket
+    from kvpager_tools.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
         [sys.executable, "-m", "executor_service", "--model", checkpoints("llama_gqa"), "--port", str(port),
@@ -168,7 +166,7 @@ def test_cli_serves_and_stops_on_sigterm(checkpoints):
 def test_bench_reports_in_process_and_grpc(checkpoints):
     import argparse
 
-    from executor_service.bench import add_bench_parser, run
+    from kvpager_tools.bench.executor import add_bench_parser, run
 
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())
@@ -191,6 +189,6 @@ async def test_unloadable_model_fails_start(tmp_path):
 
 
 def test_cli_exits_nonzero_when_the_model_cannot_load(tmp_path):
-    from kvpager.cli import main
+    from kvpager_tools.cli import main
 
     assert main(["executor", "--model", str(tmp_path / "missing"), "--port", "0", "--device", "cpu"]) == 1

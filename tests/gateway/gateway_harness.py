@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -16,15 +15,10 @@ from executor_service.config import ExecutorConfig
 from executor_service.service import start_executor_server
 from gateway.engine import EngineConfig
 from gateway.service import GatewayConfig, GatewayServer
+from kvpager_tools.ports import free_port
 from kvpager.channel import make_channel, wait_for_serving
 from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, memory_pb2, memory_pb2_grpc
 from memory_service.service import MemoryConfig, MemoryServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -38,11 +38,11 @@ async def test_repeated_prefix_goes_to_the_executor_that_holds_it(model):
 
 
 async def test_routing_by_the_redis_mirror(model):
-    from memory_service.mirror.redis_process import RedisProcess, redis_server_binary
+    from kvpager_tools.redis_server import RedisServer, redis_server_binary
 
     if redis_server_binary() is None:
         pytest.skip("redis-server not installed")
-    redis = RedisProcess().start()
+    redis = RedisServer().start()
     stack = await start_stack(model, executors=2, num_blocks=64, block_size=4, redis_url=redis.url)
     try:
         shared = list(range(80, 112))  # 8 full blocks

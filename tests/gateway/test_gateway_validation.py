@@ -17,7 +17,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from executor_service.demo_model import build_demo_model
+    from kvpager_tools.demo_model import build_demo_model
 
     return str(build_demo_model(tmp_path_factory.mktemp("gwv") / "demo", vocab_size=320,
                                 max_position_embeddings=128))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from memory_service.mirror.redis_process import RedisProcess, redis_server_binary
+from kvpager_tools.redis_server import RedisServer, redis_server_binary
 
 
 def _binary() -> str:
@@ -17,14 +17,14 @@ def _binary() -> str:
 
 @pytest.fixture
 def redis_factory():
-    """make(extra_args=(), url_auth="") -> a started RedisProcess; all stopped at teardown.
+    """make(extra_args=(), url_auth="") -> a started RedisServer; all stopped at teardown.
 
     Each process has .url, .kill() (SIGKILL by PID), .start() (same port) and
     .restart() (kill -9, then a fresh empty server on the same port)."""
-    procs: list[RedisProcess] = []
+    procs: list[RedisServer] = []
 
-    def make(extra_args: tuple[str, ...] = (), url_auth: str = "") -> RedisProcess:
-        proc = RedisProcess(extra_args=extra_args, url_auth=url_auth, binary=_binary())
+    def make(extra_args: tuple[str, ...] = (), url_auth: str = "") -> RedisServer:
+        proc = RedisServer(extra_args=extra_args, url_auth=url_auth, binary=_binary())
         procs.append(proc)
         return proc.start()
 
@@ -34,5 +34,5 @@ def redis_factory():
 
 
 @pytest.fixture
-def redis_proc(redis_factory) -> RedisProcess:
+def redis_proc(redis_factory) -> RedisServer:
     return redis_factory()

@@ -15,6 +15,6 @@ def dev_certs(tmp_path_factory):
     """scripts/make-dev-ca.sh output: ca, server (both EKUs), client."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
-    from kvpager.drills.runner import dev_certs as make
+    from kvpager_tools.drills.runner import dev_certs as make
 
     return make(tmp_path_factory.mktemp("certs") / "dev")

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from kvpager.channel import ClientTls, auth_metadata, make_channel
-from kvpager.drills import Needs, StackOptions, drill_stack, run_drill
-from kvpager.drills.common import Clients, greedy_request
+from kvpager_tools.drills import Needs, StackOptions, drill_stack, run_drill
+from kvpager_tools.drills.common import Clients, greedy_request
 from kvpager.packed import pack_i32
 from kvpager.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2, memory_pb2, memory_pb2_grpc
 
@@ -142,7 +142,7 @@ def _cli(env, dev_certs, *args, token_env=None):
     environ.update(token_env or {})
     tls = ["--tls-ca", str(dev_certs / "ca.crt"), "--tls-client-cert", str(dev_certs / "client.crt"),
            "--tls-client-key", str(dev_certs / "client.key")]
-    return subprocess.run([sys.executable, "-m", "kvpager.cli", *args, *tls], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvpager_tools.cli", *args, *tls], capture_output=True, text=True,
                           env=environ, timeout=120)
 
 

@@ -1,0 +1,536 @@
+"""Shared pieces of the gateway benchmarks (`kvpager bench serve | compare-hf
+| overhead | routing`): synthetic datasets, the embedded stack, a streaming
+load generator with per-token timestamps, latency statistics.
+
+Light at import: grpc, torch and transformers load inside the functions.
+Every benchmark prints one JSON object; ratios are always against a peer
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpager_tools.stats import percentile
+
+# ShareGPT-like lengths (memory_service/bench.py TRACES): lognormal, input mean
+# 161 / sigma 1.0, output mean 338 / sigma 0.9.
+SHAREGPT = (161, 1.0, 338, 0.9)
+DATASETS = ("random", "sharegpt-like", "prefix-repetition", "shared-system-prompt")
+
+# The ~30M-parameter random Llama the CPU comparisons use (as `kvpager bench executor`).
+LLAMA_30M = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, model_vocab_size=8192)
+
+
+def progress(name: str, msg: str) -> None:
+    print(f"[bench {name}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- models -------------------------------------------------------------------
+
+
+def model_dir(name: str | None) -> Path:
+    """"demo" / None: the demo model; "llama-30m": the 30M random Llama (built
+    once, shared with `kvpager bench executor`); anything else: a directory."""
+    from kvpager_tools.demo_model import build_demo_model, default_demo_dir, ensure_demo_model
+
+    if name in (None, "", "demo"):
+        return ensure_demo_model()
+    if name == "llama-30m":
+        out = default_demo_dir().parent / "bench-llama-30m"
+        if not (out / "config.json").exists():
+            tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+            build_demo_model(tmp, **LLAMA_30M)
+            try:
+                tmp.rename(out)
+            except OSError:  # another process built it first
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    return Path(name)
+
+
+def token_range(model: str | os.PathLike) -> tuple[int, int]:
+    """Token ids [lo, hi) that are ordinary tokenizer tokens (no specials) and
+    inside the model's vocabulary: prompts drawn from them detokenize."""
+    import json
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    vocab = int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size"))
+    tok = json.loads((Path(model) / "tokenizer.json").read_text())
+    size = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
+    specials = [t["id"] for t in tok.get("added_tokens", [])]
+    lo = max(specials) + 1 if specials and max(specials) < 16 else 0
+    return lo, min(size, vocab)
+
+
+# ---- datasets ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    group: int = 0          # prefix group (prefix-repetition), for the best possible hit rate
+
+
+def _uniform_len(rng: random.Random, mean: int, ratio: float) -> int:
+    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return rng.randint(lo, hi)
+
+
+def _lognormal(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:
+    mu = math.log(mean) - sigma * sigma / 2  # so that E[X] = mean
+    return max(lo, min(hi, int(round(rng.lognormvariate(mu, sigma)))))
+
+
+def make_dataset(name: str, num_prompts: int, *, token_lo: int, token_hi: int, seed: int = 0,
+                 input_len: int = 128, output_len: int = 64, range_ratio: float = 0.0,
+                 num_prefixes: int = 4, prefix_len: int = 256, suffix_len: int = 32,
+                 max_len: int = 2048) -> list[BenchRequest]:
+    """Synthetic requests (token ids; no tokenizer needed).
+
+    random: input/output lengths uniform in mean x [1 - range_ratio, 1 + range_ratio].
+    sharegpt-like: lognormal lengths with ShareGPT's means (input 161, output 338),
+        each request's input + output capped at ``max_len``.
+    prefix-repetition: ``num_prefixes`` shared prefixes of ``prefix_len`` tokens, each
+        followed by a distinct suffix of ``suffix_len`` tokens (groups in shuffled order).
+    shared-system-prompt: one system prompt of ``prefix_len`` tokens + a distinct
+        user turn of ``input_len`` (± range_ratio) tokens.
+    """
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(token_lo, token_hi) for _ in range(n)]
+
+    out: list[BenchRequest] = []
+    if name == "random":
+        for _ in range(num_prompts):
+            out.append(BenchRequest(toks(_uniform_len(rng, input_len, range_ratio)),
+                                    _uniform_len(rng, output_len, range_ratio)))
+    elif name == "sharegpt-like":
+        mi, si, mo, so = SHAREGPT
+        for _ in range(num_prompts):
+            n_in = _lognormal(rng, mi, si, 4, max_len // 2)
+            n_out = _lognormal(rng, mo, so, 4, max_len - n_in)
+            out.append(BenchRequest(toks(n_in), n_out))
+    elif name == "prefix-repetition":
+        prefixes = [toks(prefix_len) for _ in range(num_prefixes)]
+        groups = [i % num_prefixes for i in range(num_prompts)]
+        rng.shuffle(groups)  # a trace's order is not aligned with any executor count
+        for g in groups:
+            out.append(BenchRequest(prefixes[g] + toks(suffix_len), _uniform_len(rng, output_len, range_ratio), g))
+    elif name == "shared-system-prompt":
+        system = toks(prefix_len)
+        for _ in range(num_prompts):
+            out.append(BenchRequest(system + toks(_uniform_len(rng, input_len, range_ratio)),
+                                    _uniform_len(rng, output_len, range_ratio)))
+    else:
+        raise ValueError(f"unknown dataset {name!r}; expected one of {DATASETS}")
+    return out
+
+
+def best_hit_rate(requests: list[BenchRequest], block_size: int) -> float:
+    """The best prefix hit rate any placement could reach on this trace, with
+    an unbounded cache: per request, the full blocks of its prompt shared with
+    an earlier prompt (the last prompt token is always recomputed), over all
+    prompt tokens."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    for r in requests:
+        p = r.prompt_ids
+        total += len(p)
+        usable = (len(p) - 1) // block_size  # full blocks before the last token
+        n = 0
+        while n < usable and tuple(p[: (n + 1) * block_size]) in seen:
+            n += 1
+        hit += n * block_size
+        for i in range(len(p) // block_size):
+            seen.add(tuple(p[: (i + 1) * block_size]))
+    return hit / total if total else 0.0
+
+
+# ---- statistics -----------------------------------------------------------------
+
+
+def summary_ms(values_s: list[float]) -> dict:
+    """mean / median / p90 / p99 in milliseconds."""
+    if not values_s:
+        return {"mean": None, "median": None, "p90": None, "p99": None}
+    ms = [v * 1e3 for v in values_s]
+    return {"mean": round(statistics.fmean(ms), 3), "median": round(statistics.median(ms), 3),
+            "p90": round(percentile(ms, 90), 3), "p99": round(percentile(ms, 99), 3)}
+
+
+def median_of(runs: list[dict], key: str):
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+# ---- the embedded stack -----------------------------------------------------------
+
+
+@dataclass
+class StackOptions:
+    model: str
+    num_executors: int = 1
+    num_blocks: int | None = None
+    block_size: int = 16
+    max_batch_tokens: int | None = None
+    max_running: int | None = None
+    routing: str | None = None
+    metrics: bool = False          # Prometheus endpoints on (scrape with `scrape`)
+    gateway_args: list[str] = field(default_factory=list)
+    executor_args: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def embedded_stack(opts: StackOptions):
+    """Memory service + executors + gateway as child processes on free
+    loopback ports (kvpager_tools.stack.Stack). Yields the Stack."""
+    from kvpager_tools.stack import Stack, StackConfig
+
+    gw = list(opts.gateway_args)
+    if opts.max_batch_tokens is not None:
+        gw += ["--max-batch-tokens", str(opts.max_batch_tokens)]
+    if opts.max_running is not None:
+        gw += ["--max-running", str(opts.max_running)]
+    if opts.routing is not None:
+        gw += ["--routing", opts.routing]
+    ex = list(opts.executor_args)
+    cfg = StackConfig(model=str(opts.model), num_executors=opts.num_executors, num_blocks=opts.num_blocks,
+                      block_size=opts.block_size, log_level="WARNING", metrics_base_port=0 if opts.metrics else None,
+                      extra_args={"gateway": gw, "executor": ex}).on_free_ports()
+    stack = Stack(cfg)
+    stack.start()
+    try:
+        asyncio.run(_wait_executors(stack.addresses.gateway, opts.num_executors))
+        yield stack
+    finally:
+        stack.stop()
+
+
+async def _wait_executors(gateway: str, num: int, timeout_s: float = 60.0) -> None:
+    """The gateway is SERVING with one executor; wait until it sees all."""
+    from kvpager.channel import make_channel
+    from kvpager.v1 import gateway_pb2, gateway_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    async with make_channel(gateway) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        while True:
+            info = await stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
+            if info.num_executors >= num:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway sees {info.num_executors} of {num} executors")
+            await asyncio.sleep(0.1)
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """One Prometheus endpoint as {"name{labels}": value} (histogram _sum/_count included)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def metric_sum(samples: dict[str, float], prefix: str, **labels: str) -> float:
+    """Sum of the samples named ``prefix`` (exactly, before any labels) whose labels include ``labels``."""
+    total = 0.0
+    for key, value in samples.items():
+        name, _, rest = key.partition("{")
+        if name != prefix:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
+
+
+def scrape_all(ports: dict[str, int]) -> dict[str, dict[str, float]]:
+    return {name: scrape(port) for name, port in ports.items()}
+
+
+def step_totals(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Where the steps between two ``scrape_all`` snapshots (gateway,
+    executor-0, memory) spent their time, in seconds, from the services' own
+    timers: forward and sample (executor), execute_handler_other (the rest of
+    the Execute handler: decoding, validation, input building, packing),
+    execute_rpc_other (the gateway's execute phase, from sending the
+    Execute to taking up its reply, outside that handler: transport, waiting
+    for the gateway's event loop), memory_step (the gateway's plan phase:
+    schedule + Step RPC; of it memory_step_handler inside the memory service
+    and memory_step_inproc the Step itself), gateway_other (the step's
+    remainder: building the Execute requests, applying results). With one
+    executor the step phases add up to the step; with several, steps overlap."""
+
+    def d(service: str, name: str, **labels) -> float:
+        return metric_sum(b[service], name, **labels) - metric_sum(a[service], name, **labels)
+
+    forward = d("executor-0", "kvpager_executor_forward_seconds_sum")
+    sample = d("executor-0", "kvpager_executor_sample_seconds_sum")
+    plan = d("gateway", "kvpager_gateway_step_seconds_sum", phase="plan")
+    execute = d("gateway", "kvpager_gateway_step_seconds_sum", phase="execute")
+    total = d("gateway", "kvpager_gateway_step_seconds_sum", phase="total")
+    handler = d("executor-0", "kvpager_rpc_latency_seconds_sum", method="/kvpager.v1.ExecutorService/Execute")
+    return {"steps": d("gateway", "kvpager_gateway_step_seconds_count", phase="total"),
+            "forward": forward, "sample": sample, "execute_handler_other": handler - forward - sample,
+            "execute_rpc_other": execute - handler, "memory_step": plan,
+            "memory_step_handler": d("memory", "kvpager_rpc_latency_seconds_sum",
+                                     method="/kvpager.v1.MemoryService/Step"),
+            "memory_step_inproc": d("memory", "kvpager_memory_step_seconds_sum"),
+            "gateway_other": total - plan - execute, "step_total": total}
+
+
+# ---- the load generator ---------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    prompt_len: int
+    max_tokens: int
+    start_s: float = 0.0
+    first_s: float | None = None          # first token arrived
+    end_s: float | None = None
+    chunk_s: list[float] = field(default_factory=list)  # arrival time of each streamed response with tokens
+    num_out: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_s is None else self.first_s - self.start_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.end_s is None else self.end_s - self.start_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_s is None or self.end_s is None or self.num_out < 2:
+            return None
+        return (self.end_s - self.first_s) / (self.num_out - 1)
+
+
+@dataclass(slots=True)
+class LoadResult:
+    records: list[RequestRecord]
+    start_s: float
+    end_s: float
+    peak_concurrency: int
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Poisson arrivals at ``rate`` requests/s (inf: all at time 0)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed ^ 0x5EED)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def run_load(address: str, requests: list[BenchRequest], *, rate: float = math.inf,
+                   max_concurrency: int | None = None, ignore_eos: bool = True, seed: int = 0,
+                   cache_salt: str = "", on_done=None, timeout_s: float = 3600.0) -> LoadResult:
+    """Stream every request through the gateway (greedy), recording token
+    arrival times. ``on_done(record)`` is called as each request finishes.
+    A fresh ``cache_salt`` keeps earlier runs' cached prefixes out of this one."""
+    from kvpager.channel import make_channel
+    from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    offsets = arrival_offsets(len(requests), rate, seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    records = [RequestRecord(len(r.prompt_ids), r.max_tokens) for r in requests]
+    in_flight = peak = 0
+    async with make_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def one(i: int, req: BenchRequest) -> None:
+            nonlocal in_flight, peak
+            delay = t0 + offsets[i] - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            rec = records[i]
+            async with (sem if sem is not None else contextlib.nullcontext()):
+                in_flight += 1
+                peak = max(peak, in_flight)
+                rec.start_s = time.perf_counter()
+                msg = gateway_pb2.GenerateRequest(
+                    prompt_token_ids=req.prompt_ids, request_id=f"bench-{seed}-{cache_salt}-{i}", cache_salt=cache_salt,
+                    sampling_params=common_pb2.SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
+                                                              ignore_eos=ignore_eos))
+                try:
+                    async for r in stub.Generate(msg, timeout=timeout_s):
+                        if r.token_ids:
+                            now = time.perf_counter()
+                            if rec.first_s is None:
+                                rec.first_s = now
+                            rec.chunk_s.append(now)
+                            rec.token_ids.extend(r.token_ids)
+                        if r.finish_reason:
+                            rec.cached_tokens = r.usage.cached_prompt_tokens
+                    rec.end_s = time.perf_counter()
+                    rec.num_out = len(rec.token_ids)
+                except Exception as exc:  # grpc.aio.AioRpcError: recorded, the run goes on
+                    rec.error = f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}"
+                finally:
+                    in_flight -= 1
+            if on_done is not None:
+                on_done(rec)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+        end = max((r.end_s for r in records if r.end_s is not None), default=time.perf_counter())
+    return LoadResult(records, start, end, peak)
+
+
+def load_metrics(result: LoadResult, slo_ms: dict[str, float] | None = None) -> dict:
+    """Throughput, latency summaries and goodput of one load run."""
+    ok = [r for r in result.records if r.ok]
+    dur = result.duration_s
+    out_tokens = sum(r.num_out for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    itl = [b - a for r in ok for a, b in zip(r.chunk_s, r.chunk_s[1:])]
+    m = {
+        "completed": len(ok), "failed": len(result.records) - len(ok),
+        "duration_s": round(dur, 3),
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "request_throughput": round(len(ok) / dur, 4) if dur > 0 else None,
+        "output_throughput": round(out_tokens / dur, 2) if dur > 0 else None,
+        "total_token_throughput": round((in_tokens + out_tokens) / dur, 2) if dur > 0 else None,
+        "ttft_ms": summary_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_ms": summary_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_ms": summary_ms(itl),
+        "e2e_ms": summary_ms([r.e2e_s for r in ok]),
+        "peak_concurrency": result.peak_concurrency,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+    }
+    errors = sorted({r.error for r in result.records if r.error})
+    if errors:
+        m["errors"] = errors[:5]
+    if slo_ms:
+        good = 0
+        for r in ok:
+            checks = {"ttft": r.ttft_s, "tpot": r.tpot_s if r.tpot_s is not None else 0.0, "e2e": r.e2e_s}
+            if all(checks[k] is not None and checks[k] * 1e3 <= v for k, v in slo_ms.items()):
+                good += 1
+        m["goodput"] = {"slo_ms": slo_ms, "good_requests": good,
+                        "request_goodput": round(good / dur, 4) if dur > 0 else None,
+                        "fraction": round(good / len(result.records), 4) if result.records else None}
+    return m
+
+
+def parse_slo(items: list[str] | None) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
+    out: dict[str, float] = {}
+    for item in items or []:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tpot", "e2e") or not value:
+            raise ValueError(f"--goodput takes ttft:MS tpot:MS e2e:MS, got {item!r}")
+        out[key] = float(value)
+    return out
+
+
+# ---- memory-service accounting ------------------------------------------------------
+
+
+async def accounting(memory_address: str) -> dict:
+    """The memory service's totals (cumulative counters included)."""
+    from kvpager.channel import make_channel
+    from kvpager.v1 import memory_pb2, memory_pb2_grpc
+
+    async with make_channel(memory_address) as ch:
+        snap = await memory_pb2_grpc.MemoryServiceStub(ch).GetAccounting(memory_pb2.AccountingRequest(), timeout=10)
+    t = snap.total
+    return {"prefix_query_tokens": t.prefix_query_tokens, "prefix_hit_tokens": t.prefix_hit_tokens,
+            "preemptions": t.preemptions, "preemptions_recompute": t.preemptions_recompute,
+            "preemptions_swap": t.preemptions_swap, "total_blocks": t.total_blocks, "used_blocks": t.used_blocks,
+            "evictions": t.evictions}
+
+
+def accounting_delta(before: dict, after: dict) -> dict:
+    q = after["prefix_query_tokens"] - before["prefix_query_tokens"]
+    h = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+    return {"prefix_query_tokens": q, "prefix_hit_tokens": h,
+            "prefix_hit_rate": round(h / q, 5) if q else 0.0,
+            "preemptions": after["preemptions"] - before["preemptions"],
+            "preemptions_recompute": after["preemptions_recompute"] - before["preemptions_recompute"],
+            "preemptions_swap": after["preemptions_swap"] - before["preemptions_swap"],
+            "evictions": after["evictions"] - before["evictions"]}
+
+
+class AccountingWatch:
+    """Samples the WatchAccounting stream while a load runs: KV usage over time."""
+
+    def __init__(self, memory_address: str, interval_ms: int = 100) -> None:
+        self.memory_address = memory_address
+        self.interval_ms = interval_ms
+        self.samples: list[tuple[float, float, float]] = []  # (unix time, used fraction, kv_utilization)
+        self._task: asyncio.Task | None = None
+
+    async def _watch(self) -> None:
+        from kvpager.channel import make_channel
+        from kvpager.v1 import memory_pb2, memory_pb2_grpc
+
+        async with make_channel(self.memory_address) as ch:
+            stub = memory_pb2_grpc.MemoryServiceStub(ch)
+            async for snap in stub.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=self.interval_ms)):
+                t = snap.total
+                self.samples.append((snap.time_s, t.used_blocks / t.total_blocks if t.total_blocks else 0.0,
+                                     t.kv_utilization))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+
+# ---- plots ----------------------------------------------------------------------------
+
+
+def pyplot():
+    """matplotlib.pyplot with the Agg backend, or None when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

@@ -1,0 +1,151 @@
+"""memory-restart: restart the memory service under load with the Redis mirror on.
+
+Prompts sharing a block-aligned prefix warm the cache; streams run; the
+memory service is stopped (SIGTERM by default; SIGKILL with
+``--kill-signal KILL``) and started again. Every
+in-flight stream must complete or end with UNAVAILABLE (a clear status),
+quickly. The restarted service must rebuild the confirmed cached prefixes
+from the mirror (``cached_blocks`` > 0, and a request with the prefix is a
+prefix hit) and every output must equal its undisturbed reference. After a
+SIGKILL under load the executor has usually applied a step whose events never
+reached Redis; the step fence (docs/mirror.md) then leaves out the blocks
+those steps wrote and rebuilds the rest, so a crash must rebuild too
+(``fenced`` is true when nothing was rebuilt).
+
+With ``--unconfirmed-round`` the drill then kills the memory service *and*
+an executor, starts the memory service while that executor is down (its
+pool cannot be confirmed) and the executor after it (a new incarnation):
+nothing of the old pool may be restored or served, so the same request is a
+prefix miss and still gives its reference output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import time
+
+from kvpager_tools.drills.common import DrillEnv, DrillResult, greedy_request, random_prompt, start_streams, wait_routed
+from kvpager_tools.drills.redis_kill import wait_mirror
+from kvpager_tools.drills.runner import Needs
+
+NEEDS = Needs(executors=1, redis=True)
+ALLOWED = frozenset({"UNAVAILABLE"})
+
+
+@dataclasses.dataclass
+class Options:
+    streams: int = dataclasses.field(default=12, metadata={"help": "streams in flight at the kill"})
+    max_tokens: int = 96
+    prefix_blocks: int = dataclasses.field(default=4, metadata={"help": "full blocks of the shared prefix"})
+    kill_signal: str = dataclasses.field(default="TERM", metadata={
+        "help": "TERM (a restart: the mirror is flushed) or KILL (a crash: the mirror may lag the executor by "
+                "a few steps, whose blocks the step fence leaves out); either way recovery must rebuild"})
+    end_within_s: float = dataclasses.field(default=10.0, metadata={"help": "in-flight streams end by then"})
+    unconfirmed_round: bool = dataclasses.field(default=True, metadata={
+        "help": "also restart with an executor whose pool cannot be confirmed"})
+
+
+async def _first_ok(env: DrillEnv, result: DrillResult, request, timeout_s: float = 10.0):
+    """Retries ``request`` while the gateway reconnects to the restarted
+    service (UNAVAILABLE meanwhile); (last outcome, seconds until OK)."""
+    t0 = time.monotonic()
+    while True:
+        out = await env.clients.generate(request)
+        result.record(out.status)
+        if out.status == "OK" or out.status != "UNAVAILABLE" or time.monotonic() - t0 > timeout_s:
+            return out, round(time.monotonic() - t0, 3)
+        await asyncio.sleep(0.05)
+
+
+async def run(env: DrillEnv, opts: Options) -> DrillResult:
+    result = DrillResult("memory-restart")
+    c = env.clients
+    if env.redis is None:
+        result.violation("memory-restart needs a stack with the Redis mirror")
+        return result
+    rng = env.rng
+    info = await c.model_info()
+    bs = info.block_size or 16
+    prefix = random_prompt(rng, info.vocab_size, opts.prefix_blocks * bs)
+    probe = [*prefix, *random_prompt(rng, info.vocab_size, 5)]
+    prompts = [[*prefix, *random_prompt(rng, info.vocab_size, rng.randint(3, 12))] for _ in range(opts.streams)]
+    short = 16
+    await env.reference(probe, short)  # computes and caches the prefix blocks
+    for p in prompts:
+        await env.reference(p, opts.max_tokens)
+    if not (await c.accounting()).mirror_enabled:
+        result.violation("the memory service reports the mirror off")
+        return result
+    if await wait_mirror(env, stale=False, timeout_s=30) is None:
+        result.violation("mirror not in sync before the restart")
+    figures: dict = {}
+
+    # Round 1: kill the memory service under load, restart it, recover from the mirror.
+    tasks, _ = await start_streams(c, prompts, opts.max_tokens)
+    sig = getattr(signal, f"SIG{opts.kill_signal.upper().removeprefix('SIG')}")
+    t_kill = time.monotonic()
+    env.stack.kill("memory", sig)
+    restart = asyncio.ensure_future(env.stack.arestart("memory"))
+    outs = await asyncio.gather(*tasks)
+    worst = 0.0
+    for p, out in zip(prompts, outs):
+        result.record(out.status)
+        env.check_output(result, p, opts.max_tokens, out)
+        if out.status != "OK":
+            worst = max(worst, out.ended_at - t_kill)
+            if not out.details:
+                result.violation(f"in-flight stream ended {out.status} without details")
+    if worst > opts.end_within_s:
+        result.violation(f"an in-flight stream ended {worst:.1f}s after the kill (limit {opts.end_within_s:g}s)")
+    await restart
+    figures["restart_to_serving_s"] = round(time.monotonic() - t_kill, 3)
+    await wait_routed(c, len(env.executor_names), 60)
+    snap = await c.accounting()
+    figures["recovered_cached_blocks"] = snap.total.cached_blocks
+    figures["in_flight"] = {"completed": sum(o.status == "OK" for o in outs),
+                            "unavailable": sum(o.status == "UNAVAILABLE" for o in outs),
+                            "last_end_after_kill_s": round(worst, 3)}
+    figures["fenced"] = snap.total.cached_blocks == 0
+    if snap.total.cached_blocks == 0:
+        result.violation("the restarted memory service rebuilt no cached block from the mirror")
+    out, figures["serving_again_after_restart_s"] = await _first_ok(env, result, greedy_request(probe, short))
+    env.check_output(result, probe, short, out)
+    figures["prefix_hit_after_restart_tokens"] = out.cached_prompt_tokens
+    if out.status != "OK":
+        result.violation(f"the first request after the restart failed: {out.status}: {out.details}")
+    if out.status == "OK" and snap.total.cached_blocks and out.cached_prompt_tokens < (opts.prefix_blocks - 1) * bs:
+        result.violation(f"the prefix was not served from the recovered cache "
+                         f"({out.cached_prompt_tokens} cached prompt tokens)")
+    # More traffic on the recovered cache: every output still right.
+    outs = await asyncio.gather(*(c.generate(greedy_request(p, opts.max_tokens)) for p in prompts))
+    for p, o in zip(prompts, outs):
+        result.record(o.status)
+        env.check_output(result, p, opts.max_tokens, o)
+
+    if opts.unconfirmed_round:
+        await env.wait_baseline(10)
+        await wait_mirror(env, stale=False, timeout_s=30)
+        executor = env.executor_names[0]
+        env.stack.kill("memory", sig)
+        env.stack.kill(executor, signal.SIGKILL)
+        await env.stack.arestart("memory")      # the executor's pool cannot be confirmed now
+        restored = (await c.accounting()).total.cached_blocks
+        await env.stack.arestart(executor)      # a new incarnation, an empty pool
+        await wait_routed(c, len(env.executor_names), 60)
+        snap = await c.accounting()
+        figures["unconfirmed_round"] = {"cached_blocks_after_restart": restored,
+                                        "cached_blocks_after_executor_rejoined": snap.total.cached_blocks}
+        if restored and len(env.executor_names) == 1:
+            result.violation(f"{restored} cached blocks restored for an executor that could not confirm its pool")
+        out, _ = await _first_ok(env, result, greedy_request(probe, short))
+        env.check_output(result, probe, short, out)
+        figures["unconfirmed_round"]["prefix_hit_tokens"] = out.cached_prompt_tokens
+        if out.status != "OK":
+            result.violation(f"the first request after the second restart failed: {out.status}: {out.details}")
+        if out.cached_prompt_tokens and len(env.executor_names) == 1:
+            result.violation(f"{out.cached_prompt_tokens} prompt tokens served from an unconfirmed pool")
+    result.forbid(ALLOWED, "streams")
+    result.figures.update(figures)
+    return result

@@ -1,0 +1,113 @@
+"""Smoke runs of the gateway benchmarks' core functions on the demo model,
+2-4 requests each: the JSON they produce has its keys and sane values.
+Never timed: the figures themselves live in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvpager_tools.bench import common as bc
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(bc.model_dir("demo"))
+
+
+@pytest.fixture(scope="module")
+def stack(model):
+    """One stack (metrics on) shared by serve, compare-hf and overhead."""
+    opts = bc.StackOptions(model=model, metrics=True, max_running=64, max_batch_tokens=512, num_blocks=256)
+    with bc.embedded_stack(opts) as s:
+        yield s
+
+
+def test_datasets_and_stats():
+    for name in bc.DATASETS:
+        reqs = bc.make_dataset(name, 6, token_lo=3, token_hi=100, input_len=20, output_len=5, range_ratio=0.5,
+                               num_prefixes=2, prefix_len=32, suffix_len=4)
+        assert len(reqs) == 6 and all(r.prompt_ids and r.max_tokens >= 1 for r in reqs)
+        assert all(3 <= t < 100 for r in reqs for t in r.prompt_ids)
+    reqs = bc.make_dataset("prefix-repetition", 8, token_lo=3, token_hi=100, num_prefixes=2, prefix_len=32,
+                           suffix_len=4)
+    # 2 prefixes of 2 blocks, 36-token prompts: 6 of 8 prompts hit 2 blocks each
+    assert bc.best_hit_rate(reqs, 16) == pytest.approx(6 * 32 / (8 * 36))
+    assert bc.summary_ms([0.001, 0.002, 0.003])["median"] == pytest.approx(2.0)
+    assert bc.percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert bc.parse_slo(["ttft:100", "tpot:5"]) == {"ttft": 100.0, "tpot": 5.0}
+    assert bc.arrival_offsets(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+
+
+def test_serve(stack, tmp_path):
+    from kvpager_tools.bench.serve import plot, serve
+
+    a = stack.addresses
+    args = argparse.Namespace(address=a.gateway, memory_address=a.memory, model="demo", executors=1,
+                              num_blocks=None, max_batch_tokens=None, max_running=None, dataset="random",
+                              num_prompts=4, input_len=16, output_len=4, range_ratio=0.0, num_prefixes=2,
+                              prefix_len=32, suffix_len=4, seed=0, request_rate="inf,50", max_concurrency=None,
+                              ignore_eos=True, goodput=["ttft:60000", "e2e:60000"], json=True, plot=None)
+    result = serve(args)
+    assert [r["request_rate"] for r in result["runs"]] == ["inf", 50.0]
+    for r in result["runs"]:
+        assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 16
+        assert r["output_throughput"] > 0 and r["peak_concurrency"] >= 1
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert set(r[key]) == {"mean", "median", "p90", "p99"}
+        assert r["ttft_ms"]["median"] <= r["e2e_ms"]["median"]
+        assert r["goodput"]["good_requests"] == 4
+        assert {"prefix_hit_rate", "preemptions"} <= set(r["memory"])
+        assert "peak_used_fraction" in r["kv_usage"]
+    written = plot(result["runs"], str(tmp_path))
+    if bc.pyplot() is not None:
+        assert any(p.endswith("serve_latency_cdf.png") for p in written)
+    for r in result["runs"]:
+        r.pop("_records")
+    json.dumps(result)
+
+
+def test_compare_hf(stack, model):
+    from kvpager_tools.bench.compare_hf import compare, make_prompts
+
+    prompts = make_prompts(model, 3, 4, 24, 0)
+    result = compare(model, prompts, 4, parity_sample=3, hf_batch_size=3, stack=stack)
+    for key in ("kvpager_tok_s", "hf_sequential_tok_s", "hf_static_batch_tok_s", "hf_generate_batch_tok_s",
+                "ratio_vs_generate_batch"):
+        assert result[key] > 0, key
+    assert result["parity"] == {"matched": 3, "total": 3}
+    t = result["kvpager_time_s"]
+    assert t["steps"] >= 4 and 0 < t["forward"] <= t["wall"]
+    json.dumps(result)
+
+
+def test_overhead(stack, model):
+    from kvpager_tools.bench.overhead import measure
+
+    result = measure(model, [2], prompt_len=16, output_len=12, repeats=1, stack=stack)
+    (row,) = result["batches"]
+    assert row["batch"] == 2 and row["echo_us"] > 0 and row["steps_per_window"] >= 1
+    assert row["period_us"] >= row["forward_us"] > 0
+    assert row["overhead_us"] == pytest.approx(row["period_us"] - row["forward_us"] - row["sample_us"], abs=0.5)
+    assert row["overhead_x_echo"] > 0
+    json.dumps(result)
+
+
+def test_routing(model):
+    from kvpager_tools.bench.routing import compare_routing
+
+    args = argparse.Namespace(model=model, executors=2, num_blocks=64, num_prompts=4, num_prefixes=2,
+                              prefix_len=32, suffix_len=4, output_len=2, max_concurrency=1, repeats=1, seed=0)
+    result = compare_routing(args)
+    assert result["best_hit_rate"] > 0
+    for side in ("prefix", "round_robin"):
+        assert result[side]["request_throughput"] > 0
+        assert 0 <= result[side]["prefix_hit_rate"] <= result["best_hit_rate"] + 1e-9
+    # one request at a time: prefix routing finds every cached prefix
+    assert result["hit_rate_vs_best"] == pytest.approx(1.0)
+    assert result["throughput_ratio"] > 0 and result["ttft_p90_ratio"] > 0
+    json.dumps(result)

@@ -1,0 +1,149 @@
+"""docker-compose.yml: valid for compose, and shaped as docs/deploy.md says
+(only the gateway published, on loopback; health-gated start order; the gpu
+profile reserves an NVIDIA device). Needs a compose binary, not an engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+ONE_SHOT = {"model-init"}  # runs to completion; no healthcheck, depended on by completion
+
+
+def compose_command() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    return None
+
+
+COMPOSE = compose_command()
+pytestmark = pytest.mark.skipif(COMPOSE is None, reason="no docker-compose / docker compose binary")
+
+
+def compose(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*COMPOSE, "-f", str(COMPOSE_FILE), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def yaml_to_json(text: str) -> dict:
+    """PyYAML when importable; else the interpreter docker-compose v1 runs on,
+    which always has it."""
+    try:
+        import yaml
+
+        return yaml.safe_load(text)
+    except ImportError:
+        pass
+    with open(shutil.which("docker-compose"), "rb") as f:
+        shebang = f.readline().decode().removeprefix("#!").split()
+    if not shebang:
+        pytest.skip("no YAML parser: PyYAML absent and docker-compose is not a Python script")
+    out = subprocess.run([*shebang, "-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"],
+                         input=text, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    """The resolved config, every profile's services included."""
+    args = ("--profile", "gpu", "--profile", "cpu", "config")
+    as_json = compose(*args, "--format", "json")  # compose v2; v1 prints its usage instead
+    if as_json.returncode == 0:
+        try:
+            return json.loads(as_json.stdout)
+        except json.JSONDecodeError:
+            pass
+    out = compose(*args)
+    assert out.returncode == 0, out.stderr
+    return yaml_to_json(out.stdout)
+
+
+def published(service: dict) -> list[tuple[str, str]]:
+    """(host ip, published port) per port, short ("ip:pub:target") or long form."""
+    out = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            out.append((port.get("host_ip", ""), str(port.get("published", ""))))
+        else:
+            parts = str(port).split(":")
+            out.append((parts[0] if len(parts) == 3 else "", parts[-2] if len(parts) > 1 else ""))
+    return out
+
+
+def test_config_is_valid():
+    out = compose("config", "-q")
+    assert out.returncode == 0, out.stderr
+
+
+def test_services_and_profiles(config):
+    services = config["services"]
+    assert set(services) == {"redis", "model-init", "memory", "executor", "executor-cpu", "gateway"}
+    assert services["executor"]["profiles"] == ["gpu"] and services["executor-cpu"]["profiles"] == ["cpu"]
+    assert "--redis-url=redis://redis:6379/0" in services["memory"]["command"]
+
+
+def test_only_the_gateway_is_published_on_loopback(config):
+    services = config["services"]
+    assert "ports" not in services["redis"]
+    assert [name for name, s in services.items() if s.get("ports")] == ["gateway"]
+    assert published(services["gateway"]) == [("127.0.0.1", "50050")]
+
+
+def test_backend_network_is_internal(config):
+    assert config["networks"]["backend"].get("internal") is True
+    assert not config["networks"]["front"].get("internal")
+    services = config["services"]
+    assert set(services["gateway"]["networks"]) == {"backend", "front"}
+    for name in ("redis", "memory", "executor", "executor-cpu"):
+        assert set(services[name]["networks"]) == {"backend"}, name
+
+
+def test_every_backend_service_is_health_checked(config):
+    for name, service in config["services"].items():
+        if name in ONE_SHOT:
+            continue
+        check = service.get("healthcheck")
+        assert check and check["test"] and not check.get("disable"), name
+        if name != "redis":  # gRPC services: grpc.health.v1 against their own port
+            assert "grpc_health" in " ".join(check["test"]), name
+            port = next(arg.split("=")[1] for arg in service["command"] if arg.startswith("--port="))
+            assert service["environment"]["KVPAGER_HEALTH_ADDRESS"] == f"127.0.0.1:{port}", name
+
+
+def test_depends_on_waits_for_health(config):
+    services = config["services"]
+    for name, service in services.items():
+        depends = service.get("depends_on", {})
+        assert isinstance(depends, dict), f"{name}: depends_on needs conditions"
+        for dep, spec in depends.items():
+            want = "service_completed_successfully" if dep in ONE_SHOT else "service_healthy"
+            assert spec["condition"] == want, (name, dep)
+    assert set(services["memory"]["depends_on"]) == {"redis"}
+    assert set(services["executor"]["depends_on"]) == {"memory", "model-init"}
+    assert set(services["gateway"]["depends_on"]) >= {"memory"}
+
+
+def test_gpu_profile_reserves_an_nvidia_device(config):
+    devices = config["services"]["executor"]["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    assert "--device=cuda" in config["services"]["executor"]["command"]
+    assert "deploy" not in config["services"]["executor-cpu"]
+
+
+def test_models_volume_and_model_init(config):
+    assert "models" in config["volumes"]
+    init = config["services"]["model-init"]
+    assert "kvpager demo-model /models/demo" in " ".join(init["command"])
+    for name in ("model-init", "executor", "executor-cpu", "gateway"):
+        mounts = config["services"][name]["volumes"]
+        targets = [m["target"] if isinstance(m, dict) else m.split(":")[1] for m in mounts]
+        assert "/models" in targets, name

@@ -1,0 +1,217 @@
+"""`kvpager up` / `kvpager generate`: argument parsing and the exact child
+command lines (no processes), the start-up failure path (one cheap child),
+and one end-to-end run of the real stack on the demo model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvpager_tools.cli import build_parser
+from kvpager_tools.stack import Stack, StackConfig, StackError, build_children, config_from_args
+
+PY = "PY"  # stands in for sys.executable in the expected command lines
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def children_for(*argv: str, model: str = "/models/m"):
+    config = config_from_args(parse("up", *argv))
+    config.model, config.python = model, PY
+    return build_children(config)
+
+
+def test_up_two_executors_exact_command_lines():
+    children = children_for("--executors", "2", "--redis-url", "redis://cache:6379/0", "--num-blocks", "64",
+                            "--swap-blocks", "8", "--metrics-base-port", "9100", "--block-size", "32")
+    assert [c.name for c in children] == ["memory", "executor-0", "executor-1", "gateway"]
+    # each child runs its service's own entry point (python -m <service>)
+    assert children[0].argv == [PY, "-m", "memory_service", "--host", "127.0.0.1", "--port", "50051",
+                                "--metrics-port", "9100", "--redis-url", "redis://cache:6379/0",
+                                "--log-level", "INFO"]
+    for i in range(2):
+        assert children[1 + i].argv == [
+            PY, "-m", "executor_service", "--model", "/models/m", "--executor-id", f"executor-{i}",
+            "--host", "127.0.0.1", "--port", str(50060 + i), "--metrics-port", str(9102 + i),
+            "--memory-address", "127.0.0.1:50051", "--block-size", "32", "--num-blocks", "64",
+            "--swap-blocks", "8", "--dtype", "auto", "--device", "cpu", "--attention-backend", "auto",
+            "--log-level", "INFO"]
+    assert children[3].argv == [PY, "-m", "gateway", "--host", "127.0.0.1", "--port", "50050",
+                                "--metrics-port", "9101", "--memory-address", "127.0.0.1:50051",
+                                "--model", "/models/m", "--redis-url", "redis://cache:6379/0",
+                                "--log-level", "INFO"]
+    assert [c.address for c in children] == ["127.0.0.1:50051", "127.0.0.1:50060", "127.0.0.1:50061",
+                                             "127.0.0.1:50050"]
+    assert [c.metrics_port for c in children] == [9100, 9102, 9103, 9101]
+
+
+def test_up_defaults_embedded_no_redis_no_metrics_cpu():
+    args = parse("up")
+    config = config_from_args(args)
+    assert (config.model, config.num_executors, config.memory_port, config.gateway_port,
+            config.executor_base_port, config.metrics_base_port, config.redis_url, config.device) == (
+        None, 1, 50051, 50050, 50060, None, None, "cpu")
+    children = children_for()
+    flat = [arg for c in children for arg in c.argv]
+    assert "--redis-url" not in flat and "--metrics-port" not in flat
+    assert "--num-blocks" not in flat and "--kv-cache-gib" not in flat  # the executor sizes its pool
+    executor = children[1].argv
+    assert executor[executor.index("--device") + 1] == "cpu"
+
+
+def test_up_pool_size_flags():
+    executor = children_for("--kv-cache-gib", "0.25")[1].argv
+    assert executor[executor.index("--kv-cache-gib") + 1] == "0.25"
+    with pytest.raises(SystemExit):
+        parse("up", "--num-blocks", "8", "--kv-cache-gib", "1")
+    # --demo shows readable accounting: a small pool unless sized
+    assert config_from_args(parse("up", "--demo")).num_blocks == 256
+    assert config_from_args(parse("up", "--demo", "--num-blocks", "32")).num_blocks == 32
+    assert config_from_args(parse("up", "--demo", "--kv-cache-gib", "1")).num_blocks is None
+
+
+def test_up_wildcard_host_connects_over_loopback():
+    children = children_for("--host", "0.0.0.0")
+    assert children[0].address == "127.0.0.1:50051"
+    executor = children[1].argv
+    assert executor[executor.index("--host") + 1] == "0.0.0.0"
+    assert executor[executor.index("--advertise-address") + 1] == "127.0.0.1:50060"
+    assert executor[executor.index("--memory-address") + 1] == "127.0.0.1:50051"
+
+
+def test_extra_args_go_last_per_role():
+    config = StackConfig(model="/m", python=PY, extra_args={"gateway": ["--max-running", "8"]})
+    children = build_children(config)
+    assert children[-1].argv[-2:] == ["--max-running", "8"]
+    assert "--max-running" not in children[0].argv
+    with pytest.raises(ValueError):
+        StackConfig(extra_args={"router": []})
+    with pytest.raises(ValueError):
+        StackConfig(num_executors=0)
+
+
+def test_free_ports():
+    config = StackConfig(num_executors=3, metrics_base_port=0).on_free_ports()
+    ports = [config.memory_port, config.gateway_port, *(config.executor_base_port + i for i in range(3)),
+             *(config.metrics_base_port + i for i in range(5))]
+    assert len(set(ports)) == len(ports) and all(p > 0 for p in ports)
+    filled = StackConfig(memory_port=0).with_ports_filled()
+    assert filled.memory_port > 0 and (filled.gateway_port, filled.executor_base_port) == (50050, 50060)
+
+
+def test_generate_builds_the_request():
+    from kvpager_tools.generate import request_from_args
+
+    args = parse("generate", "hello", "--n", "2", "--max-tokens", "8", "--temperature", "0.7", "--top-p", "0.9",
+                 "--top-k", "5", "--seed", "3", "--stop", "\n", "--stop", "END", "--ignore-eos",
+                 "--priority", "-1", "--cache-salt", "tenant-a")
+    req = request_from_args(args)
+    p = req.sampling_params
+    assert req.prompt == "hello" and req.priority == -1 and req.cache_salt == "tenant-a"
+    assert (p.n, p.max_tokens, p.top_k, p.seed, list(p.stop), p.ignore_eos) == (2, 8, 5, 3, ["\n", "END"], True)
+    assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
+    greedy = request_from_args(parse("generate", "hi")).sampling_params
+    assert greedy.temperature == 0 and not greedy.HasField("seed") and greedy.n == 1
+
+
+def test_generate_grpc_error_prints_code_and_exits_1():
+    from kvpager_tools.ports import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "kvpager_tools.cli", "generate", "hi", "--address",
+                           f"127.0.0.1:{free_port()}", "--timeout-s", "10"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("UNAVAILABLE: "), proc.stderr
+
+
+def test_child_dying_during_start_up_stops_the_stack(tmp_path):
+    # The memory service refuses an unknown flag and exits 2 at once.
+    config = StackConfig(model=str(tmp_path / "no-model"), log_dir=str(tmp_path),
+                         extra_args={"memory": ["--no-such-flag"]}).on_free_ports()
+    stack = Stack(config)
+    with pytest.raises(StackError) as info:
+        stack.start()
+    err = info.value
+    assert err.child == "memory" and "exited with code 2" in err.reason
+    assert "--no-such-flag" in err.log_tail and err.log_path == tmp_path / "memory.log"
+    assert list(stack.procs) == ["memory"]  # nothing after it was started
+    assert all(p.poll() is not None for p in stack.procs.values())
+
+
+def test_port_in_use_is_refused_before_spawning(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        config = StackConfig(model="/m", log_dir=str(tmp_path)).on_free_ports()
+        config.gateway_port = busy.getsockname()[1]
+        stack = Stack(config)
+        with pytest.raises(StackError, match="already in use"):
+            stack.start()
+        assert stack.procs == {}
+
+
+# --- end to end ----------------------------------------------------------------------
+
+
+def kvpager(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpager_tools.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(600)
+def test_stack_end_to_end_demo_model(tmp_path, monkeypatch):
+    pytest.importorskip("gateway.cli")
+    monkeypatch.setenv("KVPAGER_HOME", str(tmp_path / "home"))  # the demo model is built here, once
+    stack = Stack(StackConfig(num_executors=1, num_blocks=64, log_dir=str(tmp_path / "logs")).on_free_ports())
+    try:
+        stack.start()
+        a = stack.addresses
+        assert (tmp_path / "home" / "models" / "demo" / "config.json").exists()
+
+        gen = kvpager("generate", "Once upon a time", "--address", a.gateway, "--max-tokens", "8",
+                      "--temperature", "0", "--ignore-eos", "--json")
+        assert gen.returncode == 0, gen.stderr
+        (completion,) = [json.loads(line) for line in gen.stdout.splitlines()]
+        assert completion["index"] == 0 and completion["finish_reason"] == "length"
+        assert len(completion["token_ids"]) == 8 and completion["usage"]["completion_tokens"] == 8
+
+        # The finished sequence's blocks go back with the gateway's next step.
+        deadline = time.monotonic() + 15
+        while True:
+            blocks = kvpager("blocks", "--address", a.memory, "--json")
+            assert blocks.returncode == 0, blocks.stderr
+            data = json.loads(blocks.stdout)
+            if data["used_blocks"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert data["used_blocks"] == 0 and data["num_sequences"] == 0
+        assert data["total_blocks"] == 64 and [e["executor_id"] for e in data["executors"]] == ["executor-0"]
+    finally:
+        codes = stack.stop()
+    assert set(codes) == {"memory", "executor-0", "gateway"}
+    assert all(p.poll() is not None for p in stack.procs.values())
+    assert codes == {"memory": 0, "executor-0": 0, "gateway": 0}, codes  # graceful, not killed
+
+
+def test_cpu_executors_split_the_cores(monkeypatch):
+    from kvpager_tools.stack import cpu_executor_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = config_from_args(parse("up", "--executors", "4"))
+    assert cpu_executor_env(cfg, cores=2) == {"OMP_NUM_THREADS": "1"}
+    assert cpu_executor_env(cfg, cores=16) == {"OMP_NUM_THREADS": "4"}
+    assert cpu_executor_env(config_from_args(parse("up")), cores=16) == {}  # one executor: all cores
+    assert cpu_executor_env(config_from_args(parse("up", "--executors", "2", "--device", "cuda")), cores=16) == {}
+    cfg.model, cfg.python = "/models/m", PY
+    children = build_children(cfg)
+    assert all(("OMP_NUM_THREADS" in c.env) == (c.role == "executor") for c in children)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
+    assert cpu_executor_env(cfg, cores=16) == {}
