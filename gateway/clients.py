@@ -7,6 +7,7 @@ import grpc
 
 from kvpager.channel import BoundedCalls, ClientTls, make_channel
 from kvpager.errors import KvpagerError, Unavailable, error_for_status
+from kvpager.prefix_index.hashing import namespace_digest
 from kvpager.v1 import executor_pb2, executor_pb2_grpc, memory_pb2, memory_pb2_grpc
 
 
@@ -40,9 +41,10 @@ class MemoryClient:
     async def list_executors(self) -> list[memory_pb2.ExecutorPoolInfo]:
         return list((await self._call(self.stub.ListExecutors, memory_pb2.ListExecutorsRequest(), 5.0)).executors)
 
-    async def score_prefix(self, token_bytes: bytes, cache_salt: str) -> list[memory_pb2.ExecutorScore]:
+    async def score_prefix_hashes(self, block_hashes: bytes, namespace: bytes) -> list[memory_pb2.ExecutorScore]:
+        """Scores of the executors of `namespace` for a prompt chain (packed 32-byte hashes)."""
         resp = await self._call(self.stub.ScorePrefix,
-                                memory_pb2.ScorePrefixRequest(token_ids=token_bytes, cache_salt=cache_salt), 5.0)
+                                memory_pb2.ScorePrefixRequest(block_hashes=block_hashes, namespace=namespace), 5.0)
         return list(resp.scores)
 
     async def deregister(self, executor_id: str, incarnation: int) -> None:
@@ -70,6 +72,8 @@ class ExecutorClient:
         self.incarnation = pool.incarnation
         self.block_size = pool.block_size
         self.num_blocks = pool.num_blocks
+        # the prefix-hash namespace its blocks are indexed in (kvpager.prefix_index)
+        self.namespace = namespace_digest(pool.model_id, pool.block_size, pool.dtype, pool.adapter)
         self.timeout_s = timeout_s
         self.channel = make_channel(pool.address, tls=tls, token=token)
         self.stub = executor_pb2_grpc.ExecutorServiceStub(self.channel)

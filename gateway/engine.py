@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvpager.errors import (DeadlineExceeded, FailedPrecondition, Internal, KvpagerError, NotFound,
                             ResourceExhausted, Unavailable,
                             error_for_status)
+from kvpager.prefix_index.hashing import PromptChain, pack_hashes
 from kvpager.packed import array_bytes, pack_i32, pack_i64, unpack_f32, unpack_i32, unpack_i64
 from kvpager.telemetry import get_logger
 from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
@@ -186,10 +187,12 @@ class Engine:
     # ---- requests ---------------------------------------------------------------
 
     def new_request(self, request_id: str, prompt_ids: list[int], spec, *, seed: int | None, priority: int,
-                    cache_salt: str, deadline: float | None, skip_special_tokens: bool) -> Request:
+                    cache_salt: str, deadline: float | None, skip_special_tokens: bool,
+                    chain: PromptChain | None = None) -> Request:
         return Request(request_id, prompt_ids, spec, seed if seed is not None else random.getrandbits(62),
                        priority=priority, cache_salt=cache_salt, arrival=next(self._arrivals), deadline=deadline,
-                       skip_special_tokens=skip_special_tokens)
+                       skip_special_tokens=skip_special_tokens,
+                       chain=chain if chain is not None else PromptChain(prompt_ids, cache_salt))
 
     async def submit(self, req: Request, executor_id: str) -> None:
         """Admit a validated request to the loop (it is allocated nothing yet)."""
@@ -436,10 +439,13 @@ class Engine:
             nums.append(k)
             if not s.created:
                 req = s.request
+                ex = alive[eid]
                 new.append(memory_pb2.NewSequence(
                     seq_id=s.seq_id, executor_id=s.executor_id, prompt_token_ids=pack_i32(s.tokens),
                     priority=req.priority, cache_salt=req.cache_salt,
-                    max_total_tokens=len(req.prompt_ids) + req.spec.max_tokens))
+                    max_total_tokens=len(req.prompt_ids) + req.spec.max_tokens,
+                    prompt_block_hashes=pack_hashes(req.chain.hashes(ex.namespace, ex.block_size))
+                    if len(s.tokens) == len(req.prompt_ids) else b""))
         return ids, nums, new
 
     def _apply_plan_outcomes(self, plan: memory_pb2.StepPlan) -> None:

@@ -1,5 +1,9 @@
 """Which executor a new request goes to: the one that already holds the
-longest prefix of its prompt, weighed against how busy each one is."""
+longest prefix of its prompt, weighed against how busy each one is.
+
+Prompts are scored by their block-hash chain (``kvpager.prefix_index``: the
+same hashes the memory service and the Redis mirror index), computed once per
+request in a ``PromptChain`` that the admission then sends along."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import asyncio
 from collections import Counter, OrderedDict
 
 from kvpager.errors import Unavailable
-from kvpager.packed import pack_i32
+from kvpager.prefix_index.hashing import PromptChain, pack_hashes
 from kvpager.telemetry import get_logger
 
 log = get_logger("gateway.router")
@@ -20,7 +24,8 @@ class RoundRobinRouter:
         self.engine = engine
         self._next = 0
 
-    async def choose(self, prompt_ids: list[int], cache_salt: str, deadline: float | None = None) -> str:
+    async def choose(self, prompt_ids: list[int], cache_salt: str, deadline: float | None = None,
+                     chain: PromptChain | None = None) -> str:
         alive = sorted(eid for eid, ex in self.engine.executors.items() if ex.alive)
         if not alive:
             raise Unavailable("no executor is serving", retry_after_s=1.0)
@@ -50,35 +55,28 @@ class RoutedPrefixes:
     memory service alone spreads one prefix over several executors, each then
     holding and evicting a copy. Like SGLang's cache-aware router, routing
     also counts the prefixes it has already sent somewhere. A hint only: the
-    memory service's hit counts win when larger. Bounded LRU of block-prefix keys.
+    memory service's hit counts win when larger. Bounded LRU keyed by the
+    prompts' block hashes (the chain of the executor's namespace).
     """
 
-    def __init__(self, block_size: int = 16, max_entries: int = 1 << 16) -> None:
-        self.block_size = block_size
+    def __init__(self, max_entries: int = 1 << 16) -> None:
         self.max_entries = max_entries
-        self._owner: OrderedDict[int, str] = OrderedDict()  # chained block-prefix hash -> executor id
+        self._owner: OrderedDict[bytes, str] = OrderedDict()  # block hash -> executor id
         self.footprint: Counter[str] = Counter()  # executor id -> blocks of prompts routed there (in the LRU)
 
-    def _keys(self, prompt_ids: list[int], cache_salt: str) -> list[int]:
-        bs, h, keys = self.block_size, hash(cache_salt), []
-        for i in range(len(prompt_ids) // bs):
-            h = hash((h, tuple(prompt_ids[i * bs:(i + 1) * bs])))
-            keys.append(h)
-        return keys
-
-    def hits(self, prompt_ids: list[int], cache_salt: str) -> dict[str, int]:
+    def hits(self, hashes: list[bytes], block_size: int) -> dict[str, int]:
         """executor -> prompt tokens of the longest block prefix last routed there."""
         best: dict[str, int] = {}
-        for i, key in enumerate(self._keys(prompt_ids, cache_salt)):
+        for i, key in enumerate(hashes):
             owner = self._owner.get(key)
             if owner is None:
                 break
-            best[owner] = (i + 1) * self.block_size
+            best[owner] = (i + 1) * block_size
         return best
 
-    def record(self, prompt_ids: list[int], cache_salt: str, executor_id: str) -> None:
+    def record(self, hashes: list[bytes], executor_id: str) -> None:
         owner, footprint = self._owner, self.footprint
-        for key in self._keys(prompt_ids, cache_salt):
+        for key in hashes:
             old = owner.get(key)
             if old != executor_id:
                 if old is not None:
@@ -114,19 +112,25 @@ class PrefixAwareRouter:
         self.prefix_reader = None   # built once an executor tells the hash namespace
         self.routed = RoutedPrefixes()
 
-    async def choose(self, prompt_ids: list[int], cache_salt: str, deadline: float | None = None) -> str:
+    async def choose(self, prompt_ids: list[int], cache_salt: str, deadline: float | None = None,
+                     chain: PromptChain | None = None) -> str:
         """deadline: the request's, in event-loop time; scoring gives up by then
-        (and after SCORE_TIMEOUT_S at most) and routes by load alone."""
+        (and after SCORE_TIMEOUT_S at most) and routes by load alone. chain:
+        the request's PromptChain (made here when not given)."""
         alive = sorted(eid for eid, ex in self.engine.executors.items() if ex.alive)
         if not alive:
             raise Unavailable("no executor is serving", retry_after_s=1.0)
         if len(alive) == 1:
             return alive[0]
+        chain = chain or PromptChain(prompt_ids, cache_salt)
         timeout = SCORE_TIMEOUT_S
         if deadline is not None:
             timeout = min(timeout, deadline - asyncio.get_running_loop().time())
-        hits = await self._hits(prompt_ids, cache_salt, timeout) if timeout > 0 else {}
-        for eid, n in self.routed.hits(prompt_ids, cache_salt).items():
+        # The routed-prefix memory keys prompts by one namespace's chain (executors of a model share it).
+        ref = self.engine.executors[alive[0]]
+        keys = chain.hashes(ref.namespace, ref.block_size)
+        hits = await self._hits(chain, timeout) if timeout > 0 else {}
+        for eid, n in self.routed.hits(keys, ref.block_size).items():
             hits[eid] = max(hits.get(eid, 0), n)
         alive = [eid for eid in alive if self.engine.executors.get(eid) is not None
                  and self.engine.executors[eid].alive]  # one may have gone while we awaited the scores
@@ -143,27 +147,41 @@ class PrefixAwareRouter:
             least = min(load.values())
             near = [eid for eid in alive if load[eid] <= least + self.load_slack]
             chosen = min(near, key=lambda eid: (self.routed.footprint[eid], load[eid], eid))
-        self.routed.record(prompt_ids, cache_salt, chosen)
+        if self.engine.executors[chosen].namespace == ref.namespace:
+            self.routed.record(keys, chosen)
         return chosen
 
-    async def _hits(self, prompt_ids: list[int], cache_salt: str, timeout_s: float) -> dict[str, int]:
+    async def _hits(self, chain: PromptChain, timeout_s: float) -> dict[str, int]:
         try:
-            return await asyncio.wait_for(self._score(prompt_ids, cache_salt), timeout_s)
+            return await asyncio.wait_for(self._score(chain), timeout_s)
         except Exception as exc:  # scoring is an optimisation (Redis may be down, time short): route by load
             log.warning("prefix scoring failed", error=str(exc) or type(exc).__name__)
             return {}
 
-    async def _score(self, prompt_ids: list[int], cache_salt: str) -> dict[str, int]:
+    async def _score(self, chain: PromptChain) -> dict[str, int]:
+        """executor -> prompt tokens it holds, scored with the chain's hashes
+        (each namespace's chain computed once for this request)."""
         if self.redis_url:
             if self.prefix_reader is None:
-                from memory_service.mirror.reader import AsyncPrefixReader
+                from kvpager.prefix_index.reader import AsyncPrefixReader
 
                 pool = next(ex.pool for ex in self.engine.executors.values() if ex.alive)
                 self.prefix_reader = AsyncPrefixReader(self.redis_url, model_id=pool.model_id,
                                                        block_size=pool.block_size, dtype=pool.dtype,
                                                        adapter=pool.adapter)
-            blocks = await self.prefix_reader.score(prompt_ids, cache_salt)
+            reader = self.prefix_reader
+            blocks = await reader.score(None, chain.cache_salt,
+                                        hashes=chain.hashes(reader.namespace, reader.block_size))
             bs = {eid: ex.block_size for eid, ex in self.engine.executors.items()}
             return {eid: n * bs.get(eid, 0) for eid, n in blocks.items()}
-        scores = await self.engine.memory.score_prefix(pack_i32(prompt_ids), cache_salt)
-        return {s.executor_id: s.hit_tokens for s in scores}
+        hits: dict[str, int] = {}
+        by_namespace: dict[bytes, int] = {}
+        for ex in self.engine.executors.values():
+            if ex.alive:
+                by_namespace.setdefault(ex.namespace, ex.block_size)
+        for namespace, block_size in by_namespace.items():
+            scores = await self.engine.memory.score_prefix_hashes(
+                pack_hashes(chain.hashes(namespace, block_size)), namespace)
+            for s in scores:
+                hits[s.executor_id] = max(hits.get(s.executor_id, 0), s.hit_tokens)
+        return hits

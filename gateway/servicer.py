@@ -7,6 +7,7 @@ import asyncio
 import uuid
 
 from kvpager.errors import InvalidArgument, Unavailable
+from kvpager.prefix_index.hashing import PromptChain
 from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway.params import RawParams, validate, validate_token_ids
 from gateway.state import Output
@@ -56,10 +57,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         remaining = context.time_remaining()
         deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
         request_id = request.request_id or uuid.uuid4().hex
-        executor_id = await self.router.choose(prompt_ids, request.cache_salt, deadline)
+        chain = PromptChain(prompt_ids, request.cache_salt)  # block hashes: once, for routing and admission
+        executor_id = await self.router.choose(prompt_ids, request.cache_salt, deadline, chain)
         req = engine.new_request(request_id, prompt_ids, spec, seed=spec.seed, priority=request.priority,
                                  cache_salt=request.cache_salt, deadline=deadline,
-                                 skip_special_tokens=request.skip_special_tokens)
+                                 skip_special_tokens=request.skip_special_tokens, chain=chain)
         await engine.submit(req, executor_id)
         try:
             async for out in engine.stream(req):

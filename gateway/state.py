@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from gateway.detokenizer import IncrementalDetokenizer
+from kvpager.prefix_index.hashing import PromptChain
 from gateway.params import SamplingSpec
 
 
@@ -77,6 +78,7 @@ class Request:
     admitted: bool = False              # scheduled at least once (prefix hit counted then)
     done: bool = False
     beam: object | None = None          # BeamState for beam search
+    chain: PromptChain | None = None    # the prompt's block hashes per namespace (routing, admission)
 
     def usage(self) -> tuple[int, int, int]:
         return (len(self.prompt_ids), sum(len(c.output_ids) for c in self.completions), self.num_cached_tokens)

@@ -10,8 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Union
 
-TIER_DEVICE = "device"
-TIER_CPU = "cpu"
+from kvpager.prefix_index.ops import TIER_CPU, TIER_DEVICE  # noqa: F401 - the tiers events name
 
 
 @dataclass(slots=True)

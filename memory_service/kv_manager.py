@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from memory_service.block import Block
 from memory_service.block_pool import BlockPool, SwapPool
 from memory_service.events import EventQueue
-from memory_service.prefix_hash import hash_block
+from kvpager.prefix_index.hashing import extend_chain, hash_blocks
 from memory_service.sequence import Sequence, SeqStatus
 
 
@@ -90,14 +90,7 @@ class ExecutorKV:
 
     def _hashes(self, seq: Sequence, n_full: int) -> list[bytes]:
         """seq.block_hashes extended to at least n_full entries."""
-        hashes = seq.block_hashes
-        bs = self.block_size
-        tokens = seq.token_ids
-        h = hashes[-1] if hashes else seq.root_hash
-        for i in range(len(hashes), n_full):
-            h = hash_block(h, tokens[i * bs:(i + 1) * bs])
-            hashes.append(h)
-        return hashes
+        return extend_chain(seq.block_hashes, seq.root_hash, seq.token_ids, self.block_size, n_full)
 
     def find_prefix(self, seq: Sequence) -> list[Block]:
         """Leading cached blocks of seq's tokens. The last token is always left
@@ -106,18 +99,12 @@ class ExecutorKV:
         n_full = (seq.num_tokens - 1) // bs
         if n_full <= 0:
             return []
-        hits = []
-        pool = self.pool
+        hashes = self._hashes(seq, n_full)
+        lookup = self.pool.lookup
         tokens = seq.token_ids
-        h = seq.root_hash
-        hashes = seq.block_hashes
+        hits = []
         for i in range(n_full):
-            if i < len(hashes):
-                h = hashes[i]
-            else:
-                h = hash_block(h, tokens[i * bs:(i + 1) * bs])
-                hashes.append(h)
-            block = pool.lookup(h, tokens[i * bs:(i + 1) * bs])
+            block = lookup(hashes[i], tokens[i * bs:(i + 1) * bs])
             if block is None:
                 break
             hits.append(block)
@@ -126,16 +113,20 @@ class ExecutorKV:
     def count_prefix_blocks(self, root_hash: bytes, token_ids, limit: int | None = None) -> int:
         """Consecutive leading full blocks of token_ids this pool holds (scoring)."""
         bs = self.block_size
-        n_full = len(token_ids) // bs
-        if limit is not None:
-            n_full = min(n_full, limit)
-        h = root_hash
-        for i in range(n_full):
-            chunk = token_ids[i * bs:(i + 1) * bs]
-            h = hash_block(h, chunk)
-            if self.pool.lookup(h, chunk) is None:
+        for i, h in enumerate(hash_blocks(root_hash, token_ids, bs, limit=limit)):
+            if self.pool.lookup(h, token_ids[i * bs:(i + 1) * bs]) is None:
                 return i
-        return n_full
+        return min(len(token_ids) // bs, limit if limit is not None else len(token_ids))
+
+    def count_prefix_hashes(self, block_hashes: list[bytes]) -> int:
+        """Consecutive leading hashes (a caller's chain) this pool holds: scoring
+        by hashes the router computed once. Advisory, so not token-verified: an
+        admission verifies every hit it takes."""
+        cached = self.pool.cached
+        for i, h in enumerate(block_hashes):
+            if h not in cached:
+                return i
+        return len(block_hashes)
 
     # ---- allocation ---------------------------------------------------------
 

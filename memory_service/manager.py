@@ -23,7 +23,7 @@ from memory_service.block import Block
 from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 from memory_service.policy import ModePolicy, PreemptionMode, VictimPolicy
-from memory_service.prefix_hash import namespace_digest, root_hash
+from kvpager.prefix_index.hashing import namespace_digest, root_hash
 from memory_service.records import (ExecutorStepPlan, NewSeq, PrefixScore, Rejected, StepInput,
                                     StepOutput)
 from memory_service.sequence import Sequence, SeqStatus
@@ -187,6 +187,10 @@ class MemoryManager:
                                       f"outside the vocabulary ({vocab})")
             if new.max_total_tokens < 0:
                 raise InvalidArgument(f"new sequence {new.seq_id}: max_total_tokens must be >= 0")
+            if new.prompt_block_hashes is not None and \
+                    len(new.prompt_block_hashes) > len(new.prompt_token_ids) // kv.block_size:
+                raise InvalidArgument(f"new sequence {new.seq_id}: {len(new.prompt_block_hashes)} prompt block "
+                                      f"hashes for {len(new.prompt_token_ids) // kv.block_size} full blocks")
             if new.max_total_tokens and new.max_total_tokens < len(new.prompt_token_ids):
                 raise InvalidArgument(f"new sequence {new.seq_id}: max_total_tokens {new.max_total_tokens} is "
                                       f"shorter than its prompt ({len(new.prompt_token_ids)} tokens)")
@@ -276,6 +280,8 @@ class MemoryManager:
                        priority=new.priority, arrival=next(self._arrivals),
                        max_total_tokens=new.max_total_tokens, num_prompt_tokens=n)
         seq.token_limit = self._token_limit(seq)
+        if new.prompt_block_hashes:
+            seq.block_hashes = list(new.prompt_block_hashes)  # computed once, by the router
         self.seqs[new.seq_id] = seq
         kv.seq_ids.add(new.seq_id)
         self._freed.pop(new.seq_id, None)
@@ -479,6 +485,18 @@ class MemoryManager:
             kv = self._executor(executor_id)
             root = root_hash(self._namespaces[executor_id], cache_salt)
             hit = kv.count_prefix_blocks(root, token_ids)
+            scores.append(PrefixScore(executor_id, hit, hit * kv.block_size, len(kv.seq_ids),
+                                      kv.pool.num_free, kv.block_size))
+        return scores
+
+    def score_prefix_hashes(self, block_hashes: list[bytes], namespace: bytes,
+                            executor_ids: Iterable[str] = ()) -> list[PrefixScore]:
+        """Scoring by a chain the caller computed (from `namespace` and its salt);
+        executors of another namespace hold none of it."""
+        scores = []
+        for executor_id in list(executor_ids) or list(self.executors):
+            kv = self._executor(executor_id)
+            hit = kv.count_prefix_hashes(block_hashes) if self._namespaces[executor_id] == namespace else 0
             scores.append(PrefixScore(executor_id, hit, hit * kv.block_size, len(kv.seq_ids),
                                       kv.pool.num_free, kv.block_size))
         return scores

@@ -21,6 +21,8 @@ class NewSeq:
     priority: int = 0
     cache_salt: str = ""
     max_total_tokens: int = 0
+    # the prompt's leading full-block hashes as the router computed them (None: hash here)
+    prompt_block_hashes: list[bytes] | None = None
 
 
 @dataclass(slots=True)

@@ -124,6 +124,10 @@ class MemoryState:
     def score_prefix(self, token_ids, cache_salt: str, executor_ids: Iterable[str]) -> list[PrefixScore]:
         return self.manager.score_prefix(token_ids, cache_salt, executor_ids)
 
+    def score_prefix_hashes(self, block_hashes: list[bytes], namespace: bytes,
+                            executor_ids: Iterable[str]) -> list[PrefixScore]:
+        return self.manager.score_prefix_hashes(block_hashes, namespace, executor_ids)
+
     def mirror_status(self) -> MirrorStatus:
         if self.mirror is None:
             return MirrorStatus()

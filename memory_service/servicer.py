@@ -11,6 +11,7 @@ import time
 
 from kvpager.errors import STATUS_NUMBERS, InvalidArgument
 from kvpager.packed import array_bytes, unpack_i32, unpack_i64
+from kvpager.prefix_index.hashing import DIGEST_BYTES, unpack_hashes
 from kvpager.v1 import common_pb2, memory_pb2, memory_pb2_grpc
 from memory_service.accounting import PoolAccounting
 from memory_service.kv_manager import CacheOpsBuilder, ExecutorSpec
@@ -38,6 +39,13 @@ def spec_to_proto(spec: ExecutorSpec) -> memory_pb2.ExecutorPoolInfo:
         max_model_len=spec.max_model_len, vocab_size=spec.vocab_size, adapter=spec.adapter)
 
 
+def _hashes(data: bytes, field: str) -> list[bytes]:
+    try:
+        return unpack_hashes(data)
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}: {exc}") from None
+
+
 def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
     app = req.appended
     app_ids = unpack_i64(app.seq_ids, "appended.seq_ids")
@@ -46,7 +54,9 @@ def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
     if not app_ids and (app_tokens or len(app_offsets) > 1):
         raise InvalidArgument("appended: tokens without seq_ids")
     new = [NewSeq(n.seq_id, n.executor_id, unpack_i32(n.prompt_token_ids, "new_sequences.prompt_token_ids"),
-                  n.priority, n.cache_salt, n.max_total_tokens)
+                  n.priority, n.cache_salt, n.max_total_tokens,
+                  _hashes(n.prompt_block_hashes, "new_sequences.prompt_block_hashes") if n.prompt_block_hashes
+                  else None)
            for n in req.new_sequences]
     return StepInput(
         step_id=req.step_id,
@@ -159,10 +169,16 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
             await asyncio.sleep(interval_s)
 
     async def ScorePrefix(self, request, context):
-        tokens = unpack_i32(request.token_ids, "token_ids")
-        if tokens and min(tokens) < 0:  # the prefix hash packs them as uint32
-            raise InvalidArgument("token_ids must be >= 0")
-        scores = self.state.score_prefix(tokens, request.cache_salt, list(request.executor_ids))
+        if request.block_hashes:
+            if len(request.namespace) != DIGEST_BYTES:
+                raise InvalidArgument(f"namespace must be a {DIGEST_BYTES}-byte digest with block_hashes")
+            scores = self.state.score_prefix_hashes(_hashes(request.block_hashes, "block_hashes"),
+                                                    request.namespace, list(request.executor_ids))
+        else:
+            tokens = unpack_i32(request.token_ids, "token_ids")
+            if tokens and min(tokens) < 0:  # the prefix hash packs them as uint32
+                raise InvalidArgument("token_ids must be >= 0")
+            scores = self.state.score_prefix(tokens, request.cache_salt, list(request.executor_ids))
         return memory_pb2.ScorePrefixResponse(scores=[
             memory_pb2.ExecutorScore(executor_id=s.executor_id, hit_blocks=s.hit_blocks, hit_tokens=s.hit_tokens,
                                      num_sequences=s.num_sequences, free_blocks=s.free_blocks,

@@ -88,20 +88,22 @@ class ListExecutorsResponse(_message.Message):
     def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorPoolInfo, _Mapping]]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens")
+    __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens", "prompt_block_hashes")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     executor_id: str
     prompt_token_ids: bytes
     priority: int
     cache_salt: str
     max_total_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ...) -> None: ...
+    prompt_block_hashes: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class ForkOp(_message.Message):
     __slots__ = ("parent_seq_id", "child_seq_ids")
@@ -298,14 +300,18 @@ class AccountingSnapshot(_message.Message):
     def __init__(self, time_s: _Optional[float] = ..., total: _Optional[_Union[PoolAccounting, _Mapping]] = ..., executors: _Optional[_Iterable[_Union[PoolAccounting, _Mapping]]] = ..., mirror_enabled: _Optional[bool] = ..., mirror_stale: _Optional[bool] = ..., mirror_lag_events: _Optional[int] = ..., step_id: _Optional[int] = ...) -> None: ...
 
 class ScorePrefixRequest(_message.Message):
-    __slots__ = ("token_ids", "cache_salt", "executor_ids")
+    __slots__ = ("token_ids", "cache_salt", "executor_ids", "block_hashes", "namespace")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     cache_salt: str
     executor_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., executor_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    block_hashes: bytes
+    namespace: bytes
+    def __init__(self, token_ids: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., executor_ids: _Optional[_Iterable[str]] = ..., block_hashes: _Optional[bytes] = ..., namespace: _Optional[bytes] = ...) -> None: ...
 
 class ExecutorScore(_message.Message):
     __slots__ = ("executor_id", "hit_blocks", "hit_tokens", "num_sequences", "free_blocks", "block_size")

@@ -255,7 +255,7 @@ async def step_overhead_inprocess(redis_url: str, batch: int, steps: int, rounds
 
 
 async def score_latency(redis_url: str, iters: int) -> dict:
-    from memory_service.mirror.reader import AsyncPrefixReader, PrefixReader
+    from kvpager.prefix_index.reader import AsyncPrefixReader, PrefixReader
     from memory_service.mirror.writer import MirrorWriter
     from memory_service.records import NewSeq, StepInput
 
@@ -311,7 +311,7 @@ async def events_and_resync(redis_url: str, num_blocks: int) -> dict:
 
     from memory_service.mirror.recovery import recover
     from memory_service.mirror.writer import MirrorWriter
-    from memory_service.prefix_hash import hash_block
+    from kvpager.prefix_index.hashing import hash_block
 
     state = _state(events=True)
     writer = await MirrorWriter(state, redis_url).start()

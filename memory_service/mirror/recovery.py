@@ -31,24 +31,17 @@ answers the step_id A of the last Execute the pool applied.
 from __future__ import annotations
 
 import asyncio
-from binascii import unhexlify
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import grpc
-from redis.exceptions import NoScriptError
-
-from kvpager.channel import make_channel
 from kvpager.packed import unpack_i32
+from kvpager.prefix_index.keys import Namespace
+from kvpager.prefix_index.reader import executor_blocks, executor_records
 from kvpager.telemetry import get_logger
-from kvpager.v1 import executor_pb2, executor_pb2_grpc
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.mirror import metrics as m
-from memory_service.mirror.batch import SPEC_FIELDS, unpack_tokens
-from memory_service.mirror.keys import NAMESPACES_KEY, Namespace, prefix_of_tag
-from memory_service.mirror.scripts import DUMP_SCRIPT
+from memory_service.mirror.records import spec_from_record
 from memory_service.mirror.writer import MirrorWriter
-from memory_service.prefix_hash import HASH_VERSION
 from memory_service.service_state import MemoryState
 
 log = get_logger("memory_service.mirror")
@@ -77,7 +70,8 @@ def confirmed_answer(answer) -> ConfirmAnswer | None:
 
 
 def answer_from_reply(reply, incarnation: int, pool_generation: int) -> ConfirmAnswer | None:
-    """A ConfirmPoolResponse as a ConfirmAnswer (None unless it confirms exactly this pool)."""
+    """A ConfirmPoolResponse (any object with its fields) as a ConfirmAnswer
+    (None unless it confirms exactly this pool)."""
     if not (reply.confirmed and reply.incarnation == incarnation and reply.pool_generation == pool_generation):
         return None
     written = frozenset(unpack_i32(reply.written_block_ids)) if reply.writes_known else None
@@ -98,8 +92,6 @@ def without_written(entries: list, written: frozenset[int]) -> tuple[list, int]:
             kept.append(e)
     return kept, len(entries) - len(kept)
 
-_NO_PARENT = b"-" * 64
-_INT_FIELDS = ("num_blocks", "block_size", "num_swap_blocks", "pool_generation", "max_model_len", "vocab_size")
 
 
 @dataclass
@@ -113,87 +105,13 @@ class RecoveryReport:
         return sum(self.restored.values())
 
 
-async def confirm_pool_grpc(address: str, incarnation: int, pool_generation: int, timeout_s: float,
-                            written_since_step: int = 0) -> ConfirmAnswer | None:
-    """ExecutorService.ConfirmPool at `address` (insecure channel; the service passes its own TLS one)."""
-    channel = make_channel(address)
-    try:
-        stub = executor_pb2_grpc.ExecutorServiceStub(channel)
-        reply = await stub.ConfirmPool(
-            executor_pb2.ConfirmPoolRequest(incarnation=incarnation, pool_generation=pool_generation,
-                                            written_since_step=written_since_step),
-            timeout=timeout_s)
-        return answer_from_reply(reply, incarnation, pool_generation)
-    except grpc.aio.AioRpcError as exc:
-        log.info("ConfirmPool failed", address=address, code=exc.code().name)
-        return None
-    finally:
-        await channel.close()
-
-
-def spec_from_record(executor_id: str, rec: dict[str, str]) -> ExecutorSpec:
-    """The ExecutorSpec an executor record holds (ValueError when malformed)."""
-    spec = ExecutorSpec(executor_id=executor_id, num_blocks=0, block_size=0, incarnation=int(rec["incarnation"]))
-    for name in SPEC_FIELDS:
-        if name in rec:
-            setattr(spec, name, int(rec[name]) if name in _INT_FIELDS else rec[name])
-    if spec.num_blocks <= 0 or spec.block_size <= 0:
-        raise ValueError("record without a pool size")
-    return spec
-
-
-async def _records(client) -> list[tuple[Namespace, str, dict[str, str]]]:
-    out = []
-    for raw_tag in sorted(await client.smembers(NAMESPACES_KEY)):
-        tag = raw_tag.decode()
-        prefix = prefix_of_tag(tag)
-        meta = {k.decode(): v.decode() for k, v in (await client.hgetall(prefix + "meta")).items()}
-        if int(meta.get("hash_version", -1)) != HASH_VERSION or "model_id" not in meta:
-            continue  # another hash version's namespace: not ours to read or clean
-        ns = Namespace(meta["model_id"], int(meta["block_size"]))
-        if ns.tag != tag:
-            continue
-        ids = sorted(e.decode() for e in await client.smembers(ns.executors))
-        pipe = client.pipeline(transaction=False)
-        for eid in ids:
-            pipe.hgetall(ns.executor(eid))
-        for eid, rec in zip(ids, await pipe.execute()):
-            out.append((ns, eid, {k.decode(): v.decode(errors="replace") for k, v in rec.items()}))
-    return out
-
-
-async def _blocks(client, ns: Namespace, executor_id: str, incarnation: int, page: int) -> list[tuple]:
-    """(depth, hash, block_id, token_ids, parent) of every device block the
-    executor's reverse index lists with its owner field: one DUMP call per page."""
-    out = []
-    start = 0
-    while True:
-        args = (1, ns.executors, ns.prefix, executor_id, str(incarnation), start, start + page - 1)
-        try:
-            seen, blob = await client.evalsha(DUMP_SCRIPT.sha, *args)
-        except NoScriptError:
-            await client.script_load(DUMP_SCRIPT.source)
-            seen, blob = await client.evalsha(DUMP_SCRIPT.sha, *args)
-        pos, n = 0, len(blob)
-        while pos < n:  # <hash 64><parent 64><depth 8><block_id 8><n 8><tokens n>
-            parent = blob[pos + 64:pos + 128]
-            size = int(blob[pos + 144:pos + 152], 16)
-            out.append((int(blob[pos + 128:pos + 136], 16), unhexlify(blob[pos:pos + 64]),
-                        int(blob[pos + 136:pos + 144], 16), unpack_tokens(blob[pos + 152:pos + 152 + size]),
-                        None if parent == _NO_PARENT else unhexlify(parent)))
-            pos += 152 + size
-        if int(seen) < page:
-            return out
-        start += page
-
-
-async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmFn = confirm_pool_grpc,
+async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmFn,
                   confirm_timeout_s: float = 1.0, page: int = 4096) -> RecoveryReport:
     """Rebuild confirmed executors' cached blocks into `state`; drop the rest
     from the mirror. Redis errors propagate (the caller starts cold)."""
     client = writer.client
     report = RecoveryReport()
-    records = await _records(client)
+    records = await executor_records(client)
 
     async def check(ns: Namespace, eid: str,
                     rec: dict[str, str]) -> tuple[ExecutorSpec | None, str, ConfirmAnswer | None]:
@@ -219,7 +137,7 @@ async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmF
     checks = await asyncio.gather(*(check(ns, eid, rec) for ns, eid, rec in records))
     for (ns, eid, rec), (spec, why, answer) in zip(records, checks):
         if spec is not None:
-            entries = await _blocks(client, ns, eid, spec.incarnation, page)
+            entries = await executor_blocks(client, ns, eid, spec.incarnation, page)
             published = int(rec.get("last_step_id") or 0)
             fenced = 0
             if answer.applied > published:

@@ -34,10 +34,11 @@ from kvpager.telemetry import get_logger
 from memory_service.events import BlockRemoved, BlockStored, EventQueue, KVEvent
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.mirror import metrics as m
-from memory_service.mirror.batch import CLEARED_OP, ScriptCall, namespace_of, removed_op, stored_op
-from memory_service.mirror.client import make_async_client
-from memory_service.mirror.keys import NAMESPACES_KEY, Namespace, redact
-from memory_service.mirror.scripts import APPLY_SCRIPT
+from kvpager.prefix_index.ops import CLEARED_OP, ScriptCall, removed_op
+from memory_service.mirror.records import namespace_of, op_of, spec_fields
+from kvpager.prefix_index.client import make_async_client
+from kvpager.prefix_index.keys import NAMESPACES_KEY, Namespace, redact
+from kvpager.prefix_index.scripts import APPLY_SCRIPT
 from memory_service.service_state import MemoryState, MirrorStatus
 
 log = get_logger("memory_service.mirror")
@@ -332,7 +333,7 @@ class MirrorWriter:
             eid = ev.executor_id
             kind = type(ev)
             if kind is BlockStored:
-                op = stored_op(ev)
+                op = op_of(ev)
                 s = shadow.get(eid)
                 if s is None:
                     s = shadow[eid] = {}
@@ -401,7 +402,7 @@ class MirrorWriter:
             snapshot = list(self._shadow.get(eid, {}).values())
             chunks = self._chunks(snapshot) if snapshot else []
             step = steps.get(eid, 0)
-            call(ns).reset(spec, self._next_batch(eid), None if chunks else step)
+            call(ns).reset(eid, spec.incarnation, spec_fields(spec), self._next_batch(eid), None if chunks else step)
             if chunks:
                 jobs.append((ns, eid, spec.incarnation, self._next_batch(eid, len(chunks)), chunks, True, step))
             self._mirrored[eid] = _Mirrored(ns, spec.incarnation, spec.pool_generation)

@@ -8,6 +8,8 @@ import time
 
 import grpc
 import pytest
+
+from kvpager.prefix_index.hashing import PromptChain
 from gateway_harness import generate, spawn_executor, start_stack, wait_port_serving
 
 from kvpager.v1 import gateway_pb2, memory_pb2
@@ -50,7 +52,7 @@ async def test_routing_by_the_redis_mirror(model):
         router = stack.gateway.router
         deadline = time.monotonic() + 10
         while True:  # the mirror is write-behind: wait until it shows the prefix
-            hits = await router._hits(shared + [2], "", 5.0)
+            hits = await router._hits(PromptChain(shared + [2], ""), 5.0)
             if max(hits.values(), default=0) == len(shared):
                 break
             assert time.monotonic() < deadline, hits
@@ -77,7 +79,7 @@ async def test_executor_killed_mid_stream(model):
         prefix = list(range(200, 232))
         engine_choose = router.choose
 
-        async def choose_victim(prompt_ids, cache_salt, deadline=None):
+        async def choose_victim(prompt_ids, cache_salt, deadline=None, chain=None):
             return "victim"
 
         router.choose = choose_victim  # steer these three to the victim

@@ -70,7 +70,7 @@ async def test_token_budget_is_per_executor_and_executors_step_independently(sta
         steps.append([(engine.seqs[i].executor_id, n) for i, n in zip(ids, nums) if i in engine.seqs])
         return await real_step(request, timeout_s)
 
-    async def choose(prompt_ids, cache_salt, deadline=None):
+    async def choose(prompt_ids, cache_salt, deadline=None, chain=None):
         return next(e for e, p in prompts.items() if p == prompt_ids)
 
     engine.memory.step, router.choose = step, choose
@@ -107,7 +107,7 @@ async def test_a_slow_executor_does_not_hold_up_the_other(stack, oracle):
         await asyncio.sleep(0.3)
         return await real_execute(request, timeout_s)
 
-    async def choose(prompt_ids, cache_salt, deadline=None):
+    async def choose(prompt_ids, cache_salt, deadline=None, chain=None):
         return "executor-0" if prompt_ids == slow_p else "executor-1"
 
     slow.execute, router.choose = delayed, choose

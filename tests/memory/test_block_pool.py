@@ -11,7 +11,7 @@ import pytest
 from memory_service.block import Block, FreeBlockQueue
 from memory_service.block_pool import BlockPool, SwapPool
 from memory_service.events import AllCleared, BlockRemoved, BlockStored, EventQueue
-from memory_service.prefix_hash import hash_block, hash_blocks, namespace_digest, root_hash
+from kvpager.prefix_index.hashing import hash_block, hash_blocks, namespace_digest, root_hash
 
 
 def ids(blocks):

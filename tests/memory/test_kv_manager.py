@@ -8,7 +8,7 @@ import pytest
 
 from memory_service.events import BlockStored, EventQueue
 from memory_service.kv_manager import ExecutorKV, ExecutorSpec
-from memory_service.prefix_hash import hash_block, namespace_digest, root_hash
+from kvpager.prefix_index.hashing import hash_block, namespace_digest, root_hash
 from memory_service.sequence import Sequence, SeqStatus
 
 BS = 4

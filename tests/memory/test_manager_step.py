@@ -110,10 +110,10 @@ def test_reverse_order_free_evicts_the_tail_before_the_prefix(harness):
 
 
 def test_hash_collision_with_other_tokens_never_hits(harness, monkeypatch):
-    import memory_service.kv_manager as kvm
+    import kvpager.prefix_index.hashing as hashing
 
     # Every block hashes to its parent's digest: all first blocks collide.
-    monkeypatch.setattr(kvm, "hash_block", lambda parent, tokens: parent)
+    monkeypatch.setattr(hashing, "hash_block", lambda parent, tokens: parent)
     h = harness(num_blocks=8)
     h.step(new=[h.new(1, [1, 2, 3, 4, 5])], sched=[(1, 5)])
     assert len(h.pool.cached) == 1

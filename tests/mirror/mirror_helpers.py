@@ -10,8 +10,9 @@ import redis
 from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
-from memory_service.mirror.keys import NAMESPACES_KEY, OWNER_PREFIX, prefix_of_tag
-from memory_service.mirror.batch import namespace_of, pack_tokens
+from kvpager.prefix_index.keys import NAMESPACES_KEY, OWNER_PREFIX, prefix_of_tag
+from kvpager.prefix_index.ops import pack_tokens
+from memory_service.mirror.records import namespace_of
 from memory_service.mirror.writer import MirrorWriter
 from memory_service.records import NewSeq, StepInput
 from memory_service.service_state import MemoryState

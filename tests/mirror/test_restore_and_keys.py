@@ -7,9 +7,10 @@ from redis.crc import key_slot
 
 from memory_service.block_pool import BlockPool
 from memory_service.events import BlockStored, EventQueue
-from memory_service.mirror.batch import pack_tokens, stored_op, unpack_tokens
-from memory_service.mirror.keys import Namespace, redact, redis_kwargs
-from memory_service.prefix_hash import hash_block
+from kvpager.prefix_index.ops import pack_tokens, unpack_tokens
+from memory_service.mirror.records import op_of
+from kvpager.prefix_index.keys import Namespace, redact, redis_kwargs
+from kvpager.prefix_index.hashing import hash_block
 
 
 def test_restore_cached_rebuilds_evictable_blocks_after_plain_free_ones():
@@ -55,9 +56,9 @@ def test_every_key_of_a_namespace_is_in_one_cluster_slot():
 def test_stored_op_encoding_and_tokens_roundtrip():
     tokens = (0, 1, 2**32 - 1, 7)
     assert unpack_tokens(pack_tokens(tokens)) == tokens
-    root = stored_op(BlockStored("e0", b"\x01" * 32, None, 3, 0, tokens))
+    root = op_of(BlockStored("e0", b"\x01" * 32, None, 3, 0, tokens))
     assert root.startswith(b"F" + b"01" * 32 + b"00000000" + b"00000003" + b"d" + b"00000010")
-    child = stored_op(BlockStored("e0", b"\x02" * 32, b"\x01" * 32, 300, 1, tokens, "cpu"))
+    child = op_of(BlockStored("e0", b"\x02" * 32, b"\x01" * 32, 300, 1, tokens, "cpu"))
     assert child[:129] == b"S" + b"02" * 32 + b"01" * 32
     assert child[129:154] == b"00000001" + b"0000012c" + b"c" + b"00000010"
     assert child[154:] == pack_tokens(tokens)

@@ -19,7 +19,7 @@ from kvpager.channel import make_channel
 from kvpager.packed import pack_i32, pack_i64, unpack_i32
 from kvpager.v1 import executor_pb2, executor_pb2_grpc, memory_pb2, memory_pb2_grpc
 from memory_service import cli as memory_cli
-from memory_service.mirror.reader import PrefixReader
+from kvpager.prefix_index.reader import PrefixReader
 from kvpager_tools.ports import free_port
 from memory_service.service import MemoryConfig, MemoryServer
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from mirror_helpers import Stepper, make_state, spec, start_writer, sync_client
 
-from memory_service.mirror.batch import namespace_of
+from memory_service.mirror.records import namespace_of
 from memory_service.mirror.recovery import ConfirmAnswer, recover, without_written
 from memory_service.records import StepInput
 

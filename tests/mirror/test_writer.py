@@ -15,9 +15,10 @@ from mirror_helpers import BS, Stepper, make_state, mirror_problems, spec, start
 
 from kvpager.errors import KvpagerError
 from memory_service.events import BlockStored
-from memory_service.mirror.reader import AsyncPrefixReader, PrefixReader
-from memory_service.mirror.scripts import APPLY_SCRIPT
-from memory_service.mirror.batch import ScriptCall, namespace_of, stored_op
+from kvpager.prefix_index.reader import AsyncPrefixReader, PrefixReader
+from kvpager.prefix_index.scripts import APPLY_SCRIPT
+from kvpager.prefix_index.ops import ScriptCall
+from memory_service.mirror.records import namespace_of, op_of
 from memory_service.records import NewSeq, StepInput
 from memory_service.sequence import SeqStatus
 
@@ -132,7 +133,7 @@ async def test_repeated_batch_is_a_noop_gap_resyncs_stale_incarnation_rejected(r
     # the batch the writer would send next, sent twice: the second is a retry
     fake = BlockStored("e0", bytes(32), None, 15, 0, (1, 2, 3, 4))
     batch = ScriptCall(ns)
-    batch.batch("e0", 1, last + 1, [stored_op(fake)])
+    batch.batch("e0", 1, last + 1, [op_of(fake)])
     assert (await _apply(writer, batch))[:-1] == [b"ok"]
     before = _dump(r, ns)
     assert (await _apply(writer, batch))[:-1] == [b"dup"]
@@ -140,7 +141,7 @@ async def test_repeated_batch_is_a_noop_gap_resyncs_stale_incarnation_rejected(r
 
     # another incarnation's batch is rejected and changes nothing
     stale = ScriptCall(ns)
-    stale.batch("e0", 99, last + 2, [stored_op(fake)])
+    stale.batch("e0", 99, last + 2, [op_of(fake)])
     assert (await _apply(writer, stale))[:-1] == [b"stale"]
     assert _dump(r, ns) == before
 

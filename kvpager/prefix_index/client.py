@@ -12,7 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from memory_service.mirror.keys import redis_kwargs
+from kvpager.prefix_index.keys import redis_kwargs
 
 _RETRIED = (RedisConnectionError, RedisTimeoutError)
 

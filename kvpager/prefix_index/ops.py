@@ -1,8 +1,9 @@
-"""Encoding of the APPLY script's sections (see scripts.py for the format).
+"""The writer's side of the mirror: encoding of the APPLY script's sections
+(see scripts.py for the format).
 
-KV events become compact op records; one executor's ops of one batch travel
-as ONE script argument, so packing a flush costs a join, not an argument per
-field.
+Stored and removed blocks become compact op records; one executor's ops of
+one batch travel as ONE script argument, so packing a flush costs a join,
+not an argument per field.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import sys
 from array import array
 from collections.abc import Iterable
 
-from memory_service.events import TIER_CPU, TIER_DEVICE, BlockStored
-from memory_service.kv_manager import ExecutorSpec
-from memory_service.mirror.keys import Namespace
+from kvpager.prefix_index.keys import Namespace
 
 _LITTLE = sys.byteorder == "little"
+TIER_DEVICE = "device"  # where a mirrored block lives
+TIER_CPU = "cpu"
 TIER_CODES = {TIER_DEVICE: "d", TIER_CPU: "c"}
 # Spec fields an executor record carries besides incarnation/lease/batch.
 SPEC_FIELDS = ("pool_generation", "address", "num_blocks", "block_size", "num_swap_blocks", "model_id", "dtype",
@@ -39,19 +40,16 @@ def unpack_tokens(data: bytes) -> tuple[int, ...]:
     return tuple(a)
 
 
-def stored_op(ev: BlockStored) -> bytes:
+def stored_op(block_hash: bytes, parent_hash: bytes | None, depth: int, block_id: int, token_ids: Iterable[int],
+              tier: str = TIER_DEVICE) -> bytes:
     """S<hash><parent><depth><block_id><tier><n><tokens> (F without a parent)."""
-    tokens = pack_tokens(ev.token_ids)
-    head = f"S{ev.block_hash.hex()}{ev.parent_hash.hex()}" if ev.parent_hash is not None else f"F{ev.block_hash.hex()}"
-    return f"{head}{ev.depth:08x}{ev.block_id:08x}{TIER_CODES.get(ev.tier, 'd')}{len(tokens):08x}".encode() + tokens
+    tokens = pack_tokens(token_ids)
+    head = f"S{block_hash.hex()}{parent_hash.hex()}" if parent_hash is not None else f"F{block_hash.hex()}"
+    return f"{head}{depth:08x}{block_id:08x}{TIER_CODES.get(tier, 'd')}{len(tokens):08x}".encode() + tokens
 
 
 def removed_op(block_hash: bytes) -> bytes:
     return b"X" + block_hash.hex().encode()
-
-
-def namespace_of(spec: ExecutorSpec) -> Namespace:
-    return Namespace(spec.model_id, spec.block_size)
 
 
 class ScriptCall:
@@ -71,14 +69,16 @@ class ScriptCall:
         self.argv += ("B", executor_id, str(incarnation), batch, len(ops), b"".join(ops), step)
         self.sections.append(("B", executor_id, incarnation, len(ops)))
 
-    def reset(self, spec: ExecutorSpec, batch: int, last_step_id: int | None = None) -> None:
+    def reset(self, executor_id: str, incarnation: int, spec_fields: dict, batch: int,
+              last_step_id: int | None = None) -> None:
+        """(Re)start a record; spec_fields: every SPEC_FIELDS name -> its value."""
         extra = () if last_step_id is None else (("last_step_id", str(last_step_id)),)
-        self.argv += ("R", spec.executor_id, str(spec.incarnation), batch, len(SPEC_FIELDS) + len(extra))
+        self.argv += ("R", executor_id, str(incarnation), batch, len(SPEC_FIELDS) + len(extra))
         for name in SPEC_FIELDS:
-            self.argv += (name, getattr(spec, name))
+            self.argv += (name, spec_fields[name])
         for pair in extra:
             self.argv += pair
-        self.sections.append(("R", spec.executor_id, spec.incarnation, 0))
+        self.sections.append(("R", executor_id, incarnation, 0))
 
     def renew(self, executor_id: str, incarnation: int, address: str) -> None:
         self.argv += ("H", executor_id, str(incarnation), address)

@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-from memory_service.prefix_hash import HASH_VERSION
+from kvpager.prefix_index.hashing import HASH_VERSION
 
 ROOT = "kvp"
 NAMESPACES_KEY = f"{ROOT}:namespaces"
