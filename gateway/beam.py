@@ -14,10 +14,10 @@ hypotheses scored with `length_penalty`; the early-stop heuristic with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvpager.v1 import memory_pb2
 from gateway.outputs import take_output
-from gateway.state import Finish, Request, Seq, SeqStatus
+from gateway.state import Completion, Finish, Output, Request, Seq
 
 _NEG = -1.0e9
 
@@ -43,17 +43,41 @@ class BeamState:
     pending: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
 
-class BeamSearch:
-    """Per-request beam state, driven by the engine."""
+class SequenceOps(Protocol):
+    """What beam search (and parallel sampling) may do with sequences: the
+    engine's narrow interface, so the search never touches engine state."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.states: dict[int, BeamState] = {}  # id(request) -> state
+    eos_ids: frozenset[int]
+
+    def fork(self, parent: Seq, completions: list[Completion | None]) -> list[Seq]:
+        """Children sharing parent's blocks (copy-on-write), one per completion."""
+
+    def append(self, seq: Seq, token: int) -> None:
+        """A token joins the sequence (sent to the memory service with the next Step)."""
+
+    def free(self, seq: Seq) -> None:
+        """The sequence is done; its blocks go back (shared ones stay with the other holders)."""
+
+    def emit(self, req: Request, out: Output) -> None:
+        """Stream an output of the request."""
+
+    def finish(self, req: Request) -> None:
+        """Every completion of the request is final: end its stream."""
+
+    def fail_on_bug(self, req: Request, doing: str) -> None:
+        """End the request with INTERNAL after an unexpected exception."""
+
+
+class BeamSearch:
+    """Per-request beam state, driven by the engine through ``SequenceOps``."""
+
+    def __init__(self, ops: SequenceOps) -> None:
+        self.ops = ops
         self._touched: list[Request] = []
 
     def start(self, req: Request, seq: Seq) -> None:
         spec = req.spec
-        keep = max(2, 1 + len(self.engine.eos_ids)) * spec.beam_width
+        keep = max(2, 1 + len(self.ops.eos_ids)) * spec.beam_width
         state = BeamState(spec.beam_width, keep, len(req.prompt_ids), len(req.prompt_ids) + spec.max_tokens)
         state.running = [Beam(seq, 0.0, [])]
         req.beam = state
@@ -79,10 +103,10 @@ class BeamSearch:
             try:
                 self._advance(req, state)
             except Exception:  # one search's bug must not end the other requests
-                self.engine.fail_on_bug(req, "advancing its beam search")
+                self.ops.fail_on_bug(req, "advancing its beam search")
 
     def _advance(self, req: Request, state: BeamState) -> None:
-        eos = self.engine.eos_ids if not req.spec.ignore_eos else frozenset()
+        eos = self.ops.eos_ids if not req.spec.ignore_eos else frozenset()
         lp_pen = req.spec.length_penalty
         cur_len = state.prompt_len + len(state.running[0].generated)
         # top-K continuations over all beams, by accumulated log-probability
@@ -124,38 +148,33 @@ class BeamSearch:
         """New running beams from their parents: the first child of a parent
         continues in the parent's sequence, the others fork it, parents with
         no child are freed."""
-        engine = self.engine
-        used: set[int] = set()
-        new_running = []
-        forks: dict[int, list[int]] = {}
-        for score, c in chosen:  # HF's order: best first
-            parent = state.running[c[3]]
-            if c[3] not in used:
-                used.add(c[3])
-                seq = parent.seq
+        ops = self.ops
+        firsts: dict[int, int] = {}           # parent beam index -> rank of the child that continues it
+        extra: dict[int, list[int]] = {}      # parent beam index -> ranks of the children that fork it
+        for rank, (_, c) in enumerate(chosen):  # HF's order: best first
+            if c[3] not in firsts:
+                firsts[c[3]] = rank
             else:
-                seq = Seq(next(engine._seq_ids), req, None, list(parent.seq.tokens), parent.seq.executor_id,
-                          num_computed=parent.seq.num_computed, status=SeqStatus.RUNNING, created=True)
-                engine.seqs[seq.seq_id] = seq
-                forks.setdefault(parent.seq.seq_id, []).append(seq.seq_id)
-            new_running.append(Beam(seq, score, parent.generated + [c[4]]))
-        for parent_id, children in forks.items():
-            engine._forks.append(memory_pb2.ForkOp(parent_seq_id=parent_id, child_seq_ids=children))
+                extra.setdefault(c[3], []).append(rank)
+        seqs: dict[int, Seq] = {rank: state.running[b].seq for b, rank in firsts.items()}
+        for b, ranks in extra.items():
+            for rank, child in zip(ranks, ops.fork(state.running[b].seq, [None] * len(ranks))):
+                seqs[rank] = child
         for b_idx, beam in enumerate(state.running):
-            if b_idx not in used:
-                engine._release(beam.seq)
+            if b_idx not in firsts:
+                ops.free(beam.seq)
+        new_running = [Beam(seqs[rank], score, state.running[c[3]].generated + [c[4]])
+                       for rank, (score, c) in enumerate(chosen)]
         state.running = new_running
         for beam in new_running:
-            token = beam.generated[-1]
-            beam.seq.tokens.append(token)
-            engine._appends[beam.seq.seq_id] = token
+            ops.append(beam.seq, beam.generated[-1])
 
     def _complete(self, req: Request, state: BeamState) -> None:
-        engine = self.engine
+        ops = self.ops
         for beam in state.running:
-            engine._release(beam.seq)
+            ops.free(beam.seq)
         state.running = []
-        eos = engine.eos_ids
+        eos = ops.eos_ids
         req.completions = req.completions[: req.spec.n]
         for comp, (score, tokens) in zip(req.completions, state.finished):
             comp.output_ids = list(tokens)
@@ -164,7 +183,5 @@ class BeamSearch:
             comp.finish = Finish.STOP if tokens and tokens[-1] in eos else Finish.LENGTH
             out = take_output(req, comp)
             if out is not None:
-                req.outputs.put_nowait(out)
-        engine._end_request(req)
-def beam_completions(req: Request) -> list[Completion]:
-    return req.completions[: req.spec.n]
+                ops.emit(req, out)
+        ops.finish(req)

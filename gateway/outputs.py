@@ -1,7 +1,10 @@
 """Turn sampled tokens into streamed deltas: stop conditions, incremental
-text, the held-back tail that might still become a stop string."""
+text, the held-back tail that might still become a stop string; and the
+outbox that hands them to the streams."""
 
 from __future__ import annotations
+
+import asyncio
 
 from gateway.state import Completion, Finish, Output, Request
 
@@ -56,3 +59,23 @@ def take_output(req: Request, comp: Completion) -> Output | None:
         out.prompt_tokens, out.completion_tokens, out.cached_prompt_tokens = (
             len(req.prompt_ids), len(comp.output_ids), req.num_cached_tokens)
     return out
+
+
+class Outbox:
+    """Stream items (outputs, errors, end markers) not yet handed to their
+    requests' queues. A step's tokens are released once the next step's
+    Executes are on their way, so the streams run while the executors compute."""
+
+    END = None  # on a request's queue: the stream is over
+
+    def __init__(self) -> None:
+        self._items: list[tuple[asyncio.Queue, object]] = []
+
+    def emit(self, req: Request, item) -> None:
+        """Queue an item for ``req`` (in order)."""
+        self._items.append((req.outputs, item))
+
+    def flush(self) -> None:
+        items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from gateway.detokenizer import IncrementalDetokenizer
 from kvpager.prefix_index.hashing import PromptChain
+from kvpager.seq_status import SeqStatus
 from gateway.params import SamplingSpec
 
 
@@ -24,12 +25,6 @@ class Finish(enum.IntEnum):
     LENGTH = 2
     ABORT = 3
     ERROR = 4
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"   # no KV: not admitted yet, or preempted by recompute
-    RUNNING = "running"
-    SWAPPED = "swapped"
 
 
 @dataclass(slots=True)

@@ -68,33 +68,10 @@ class Unimplemented(KvpagerError):
     status = "UNIMPLEMENTED"
 
 
-# google.rpc.Code numbers, for statuses carried as data (StepPlan.rejected).
-STATUS_NUMBERS = {
-    "OK": 0,
-    "CANCELLED": 1,
-    "UNKNOWN": 2,
-    "INVALID_ARGUMENT": 3,
-    "DEADLINE_EXCEEDED": 4,
-    "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9,
-    "ABORTED": 10,
-    "OUT_OF_RANGE": 11,
-    "UNIMPLEMENTED": 12,
-    "INTERNAL": 13,
-    "UNAVAILABLE": 14,
-    "DATA_LOSS": 15,
-    "UNAUTHENTICATED": 16,
-}
-
 _BY_STATUS = {cls.status: cls for cls in KvpagerError.__subclasses__()}
 
 
-def error_for_status(status: str | int, message: str) -> KvpagerError:
-    """The domain error for a status name or number (used to re-raise a Rejection)."""
-    if isinstance(status, int):
-        status = next((k for k, v in STATUS_NUMBERS.items() if v == status), "INTERNAL")
+def error_for_status(status: str, message: str) -> KvpagerError:
+    """The domain error for a gRPC status name (a client re-raising a peer's status)."""
     cls = _BY_STATUS.get(status, KvpagerError)
     return cls(message)

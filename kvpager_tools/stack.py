@@ -621,8 +621,6 @@ def _run_demo(stack: Stack, console) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from rich.console import Console
 
     console = Console()

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from memory_service.kv_manager import ExecutorKV
-from memory_service.sequence import Sequence, SeqStatus
+from kvpager.seq_status import SeqStatus
+from memory_service.sequence import Sequence
 
 
 @dataclass(slots=True)

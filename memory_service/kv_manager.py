@@ -16,7 +16,8 @@ from memory_service.block import Block
 from memory_service.block_pool import BlockPool, SwapPool
 from memory_service.events import EventQueue
 from kvpager.prefix_index.hashing import extend_chain, hash_blocks
-from memory_service.sequence import Sequence, SeqStatus
+from kvpager.seq_status import SeqStatus
+from memory_service.sequence import Sequence
 
 
 @dataclass(slots=True)

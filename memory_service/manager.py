@@ -13,7 +13,6 @@ sequence is not scheduled: failure never leaves partial state.
 from __future__ import annotations
 
 import itertools
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -24,9 +23,10 @@ from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 from memory_service.policy import ModePolicy, PreemptionMode, VictimPolicy
 from kvpager.prefix_index.hashing import namespace_digest, root_hash
-from memory_service.records import (ExecutorStepPlan, NewSeq, PrefixScore, Rejected, StepInput,
+from memory_service.records import (ExecutorStepPlan, NewSeq, PrefixScore, Rejected, RejectionReason, StepInput,
                                     StepOutput)
-from memory_service.sequence import Sequence, SeqStatus
+from kvpager.seq_status import SeqStatus
+from memory_service.sequence import Sequence
 
 # Token ids are hashed as uint32: the bound when an executor registers no vocabulary.
 _MAX_TOKEN_ID = 2**32 - 1
@@ -269,10 +269,10 @@ class MemoryManager:
         n = len(new.prompt_token_ids)
         limit = kv.spec.max_model_len or kv.spec.num_blocks * kv.spec.block_size
         if n >= limit + 1 or (new.max_total_tokens and new.max_total_tokens > limit):
-            return Rejected(new.seq_id, "INVALID_ARGUMENT",
+            return Rejected(new.seq_id, RejectionReason.OVER_CONTEXT_LIMIT,
                             f"sequence needs {max(n, new.max_total_tokens)} tokens, over the context limit {limit}")
         if not kv.can_ever_fit(max(n, new.max_total_tokens)):
-            return Rejected(new.seq_id, "RESOURCE_EXHAUSTED",
+            return Rejected(new.seq_id, RejectionReason.OVER_POOL,
                             f"sequence needs {max(n, new.max_total_tokens)} tokens; executor {kv.spec.executor_id!r} "
                             f"holds {kv.spec.num_blocks * kv.spec.block_size} in all")
         seq = Sequence(new.seq_id, new.executor_id, list(new.prompt_token_ids),

@@ -6,6 +6,7 @@ int32 'i' for counts and tokens) and leave the same way.
 
 from __future__ import annotations
 
+import enum
 from array import array
 from dataclasses import dataclass, field
 
@@ -55,10 +56,17 @@ class ExecutorStepPlan:
     ops: CacheOpsBuilder = field(default_factory=CacheOpsBuilder)
 
 
+class RejectionReason(enum.Enum):
+    """Why a new sequence can never be taken (its request fails with the status the gateway maps it to)."""
+
+    OVER_CONTEXT_LIMIT = "over_context_limit"   # longer than the executor's context limit
+    OVER_POOL = "over_pool"                     # needs more blocks than the whole pool holds
+
+
 @dataclass(slots=True)
 class Rejected:
     seq_id: int
-    status: str      # gRPC status name
+    reason: RejectionReason
     message: str
 
 

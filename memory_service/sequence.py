@@ -3,17 +3,11 @@ where its KV lives."""
 
 from __future__ import annotations
 
-import enum
 from array import array
 from dataclasses import dataclass, field
 
+from kvpager.seq_status import SeqStatus
 from memory_service.block import Block
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"    # no blocks: new, or preempted by recompute
-    RUNNING = "running"    # holds device blocks
-    SWAPPED = "swapped"    # KV held in the executor's CPU swap pool
 
 
 @dataclass(slots=True, eq=False)

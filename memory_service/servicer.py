@@ -9,18 +9,20 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvpager.errors import STATUS_NUMBERS, InvalidArgument
+from kvpager.errors import InvalidArgument
 from kvpager.packed import array_bytes, unpack_i32, unpack_i64
 from kvpager.prefix_index.hashing import DIGEST_BYTES, unpack_hashes
 from kvpager.v1 import common_pb2, memory_pb2, memory_pb2_grpc
 from memory_service.accounting import PoolAccounting
 from memory_service.kv_manager import CacheOpsBuilder, ExecutorSpec
 from memory_service.policy import PreemptionMode
-from memory_service.records import NewSeq, StepInput, StepOutput
+from memory_service.records import NewSeq, RejectionReason, StepInput, StepOutput
 from memory_service.service_state import MemoryState
 
 _MODES = {PreemptionMode.RECOMPUTE: common_pb2.PREEMPTION_MODE_RECOMPUTE,
           PreemptionMode.SWAP: common_pb2.PREEMPTION_MODE_SWAP}
+_REASONS = {RejectionReason.OVER_CONTEXT_LIMIT: common_pb2.REJECTION_REASON_OVER_CONTEXT_LIMIT,
+            RejectionReason.OVER_POOL: common_pb2.REJECTION_REASON_OVER_POOL}
 
 
 def spec_from_proto(info: memory_pb2.ExecutorPoolInfo) -> ExecutorSpec:
@@ -97,7 +99,7 @@ def plan_to_proto(out: StepOutput) -> memory_pb2.StepPlan:
     if out.unscheduled:
         plan.unscheduled_seq_ids = array_bytes(array("q", out.unscheduled))
     for r in out.rejected:
-        plan.rejected.add(seq_id=r.seq_id, code=STATUS_NUMBERS[r.status], message=r.message)
+        plan.rejected.add(seq_id=r.seq_id, reason=_REASONS[r.reason], message=r.message)
     return plan
 
 

@@ -21,6 +21,12 @@ class PreemptionMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREEMPTION_MODE_RECOMPUTE: _ClassVar[PreemptionMode]
     PREEMPTION_MODE_SWAP: _ClassVar[PreemptionMode]
 
+class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REJECTION_REASON_UNSPECIFIED: _ClassVar[RejectionReason]
+    REJECTION_REASON_OVER_CONTEXT_LIMIT: _ClassVar[RejectionReason]
+    REJECTION_REASON_OVER_POOL: _ClassVar[RejectionReason]
+
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_UNSPECIFIED: _ClassVar[Tier]
@@ -34,6 +40,9 @@ FINISH_REASON_ERROR: FinishReason
 PREEMPTION_MODE_UNSPECIFIED: PreemptionMode
 PREEMPTION_MODE_RECOMPUTE: PreemptionMode
 PREEMPTION_MODE_SWAP: PreemptionMode
+REJECTION_REASON_UNSPECIFIED: RejectionReason
+REJECTION_REASON_OVER_CONTEXT_LIMIT: RejectionReason
+REJECTION_REASON_OVER_POOL: RejectionReason
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_CPU: Tier

@@ -166,14 +166,14 @@ class Preemption(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.PreemptionMode, str]] = ...) -> None: ...
 
 class Rejection(_message.Message):
-    __slots__ = ("seq_id", "code", "message")
+    __slots__ = ("seq_id", "reason", "message")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
-    code: int
+    reason: _common_pb2.RejectionReason
     message: str
-    def __init__(self, seq_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[_Union[_common_pb2.RejectionReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "executor_plans", "preempted", "unscheduled_seq_ids", "rejected")

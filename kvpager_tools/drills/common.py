@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import math
 import random
 import time
 from pathlib import Path

@@ -23,7 +23,8 @@ async def stack(model):
 
 
 def _break_request(engine, method: str, victim: str, after_calls: int = 2):
-    """Make engine.<method> raise for the victim request from its Nth call on."""
+    """Make engine.completions.<method> raise for the victim request from its Nth call on."""
+    engine = engine.completions
     real = getattr(engine, method)
     calls = {"n": 0}
 
@@ -42,7 +43,7 @@ def _break_request(engine, method: str, victim: str, after_calls: int = 2):
 async def test_one_request_bug_leaves_the_others_streaming(stack, oracle, kind):
     engine = stack.gateway.engine
     victim = f"victim-{kind}"
-    restore = _break_request(engine, "_accept" if kind == "greedy" else "_fan_out", victim,
+    restore = _break_request(engine, "accept" if kind == "greedy" else "fan_out", victim,
                              after_calls=2 if kind == "greedy" else 0)
     others = [[40 + i, 41, 42, 43, 44 + i] for i in range(3)]
     extra = {"n": 2, "temperature": 0.8, "seed": 7} if kind == "n2" else {}

@@ -9,7 +9,8 @@ import pytest
 from memory_service.events import BlockStored, EventQueue
 from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 from kvpager.prefix_index.hashing import hash_block, namespace_digest, root_hash
-from memory_service.sequence import Sequence, SeqStatus
+from kvpager.seq_status import SeqStatus
+from memory_service.sequence import Sequence
 
 BS = 4
 

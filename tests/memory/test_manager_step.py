@@ -14,6 +14,7 @@ from kvpager.errors import AlreadyExists, FailedPrecondition, InvalidArgument, K
 from memory_service.events import AllCleared, BlockRemoved, BlockStored
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.policy import PreemptionMode
+from memory_service.records import RejectionReason
 
 
 RECOMPUTE, SWAP = PreemptionMode.RECOMPUTE, PreemptionMode.SWAP
@@ -347,7 +348,7 @@ def test_fcfs_no_waiting_sequence_overtakes_one_that_did_not_fit(harness):
 def test_a_rejected_request_does_not_close_admission(harness):
     h = harness(num_blocks=4, max_model_len=32)
     out = h.step(new=[h.new(1, range(40)), h.new(2, range(4))], sched=[(1, 40), (2, 4)])
-    assert [(r.seq_id, r.status) for r in out.rejected] == [(1, "INVALID_ARGUMENT")]
+    assert [(r.seq_id, r.reason) for r in out.rejected] == [(1, RejectionReason.OVER_CONTEXT_LIMIT)]
     assert h.rows(out).keys() == {2} and 1 not in h.m.seqs
 
 
@@ -358,15 +359,15 @@ def test_can_never_fit_is_rejected_resource_exhausted_and_allocates_nothing(harn
     h = harness(num_blocks=4, max_model_len=64)
     before = h.snapshot()
     out = h.step(new=[h.new(1, range(17))], sched=[(1, 17)])
-    assert [(r.seq_id, r.status) for r in out.rejected] == [(1, "RESOURCE_EXHAUSTED")]
+    assert [(r.seq_id, r.reason) for r in out.rejected] == [(1, RejectionReason.OVER_POOL)]
     assert out.executor_plans == [] and out.unscheduled == [] and 1 not in h.m.seqs
     out = h.step(new=[h.new(2, range(4), max_total_tokens=20)], sched=[(2, 4)])
-    assert [(r.seq_id, r.status) for r in out.rejected] == [(2, "RESOURCE_EXHAUSTED")]
+    assert [(r.seq_id, r.reason) for r in out.rejected] == [(2, RejectionReason.OVER_POOL)]
     after = h.snapshot()
     assert after[:4] == before[:4]
     # a request over the context limit is INVALID_ARGUMENT
     out = h.step(new=[h.new(3, range(4), max_total_tokens=65)])
-    assert [(r.seq_id, r.status) for r in out.rejected] == [(3, "INVALID_ARGUMENT")]
+    assert [(r.seq_id, r.reason) for r in out.rejected] == [(3, RejectionReason.OVER_CONTEXT_LIMIT)]
 
 
 def test_retried_step_returns_the_same_plan_without_applying_twice(harness):

@@ -168,7 +168,7 @@ async def test_every_bad_input_gets_its_status_and_leaks_nothing(memory):
                                                                             new_seq(21, range(3))],
                                                   **schedule([20, 21], [9, 3])))
     (rej,) = plan.rejected
-    assert rej.seq_id == 20 and rej.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert rej.seq_id == 20 and rej.reason == common_pb2.REJECTION_REASON_OVER_POOL  # RESOURCE_EXHAUSTED
     assert list(unpack_i64(plan.executor_plans[0].seq_ids)) == [21]  # the other request is unharmed
     await stub.Free(memory_pb2.FreeRequest(seq_ids=[21]))
     assert await state(stub) == before

@@ -40,7 +40,8 @@ from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
 from memory_service.policy import ModePolicy, PreemptionMode
 from memory_service.records import NewSeq, StepInput
-from memory_service.sequence import SeqStatus
+from kvpager.seq_status import SeqStatus
+from memory_service.records import RejectionReason
 
 EXAMPLES = int(os.environ.get("KVPAGER_STATEFUL_EXAMPLES", "100"))
 STEPS = 140  # per example (the initialize step included); hypothesis ends some examples early
@@ -218,13 +219,14 @@ class MemoryMachine(RuleBasedStateMachine):
             for d in (self.tokens, self.salt, self.limit):
                 del d[seq_id]
             self.freed.append(seq_id)
-        rejected = {r.seq_id: r.status for r in out.rejected}
+        rejected = {r.seq_id: r.reason for r in out.rejected}
         for new in step.new_seqs:
             spec = self.specs[new.executor_id]
             limit = spec.max_model_len or spec.num_blocks * spec.block_size
             fits = len(new.prompt_token_ids) <= limit and new.max_total_tokens <= limit
             never = math.ceil(max(len(new.prompt_token_ids), new.max_total_tokens) / spec.block_size) > spec.num_blocks
-            expect = None if fits and not never else ("INVALID_ARGUMENT" if not fits else "RESOURCE_EXHAUSTED")
+            expect = None if fits and not never else (RejectionReason.OVER_CONTEXT_LIMIT if not fits
+                                                     else RejectionReason.OVER_POOL)
             assert rejected.get(new.seq_id) == expect, (new, rejected)
             if expect is None:
                 self.tokens[new.seq_id] = list(new.prompt_token_ids)

@@ -20,7 +20,7 @@ from kvpager.prefix_index.scripts import APPLY_SCRIPT
 from kvpager.prefix_index.ops import ScriptCall
 from memory_service.mirror.records import namespace_of, op_of
 from memory_service.records import NewSeq, StepInput
-from memory_service.sequence import SeqStatus
+from kvpager.seq_status import SeqStatus
 
 BASES = [list(range(10, 40)), list(range(50, 80)), [7] * 30]
 OPS = ["new", "new", "schedule", "schedule", "decode", "free", "fork", "reincarnate", "yield"]

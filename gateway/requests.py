@@ -1,0 +1,130 @@
+"""The requests in flight and how each one ends.
+
+A request is admitted (its completions and first sequence made), then ends
+exactly once: finished (every completion has a finish reason), aborted (a
+client cancel, ``Abort``, or its deadline: the completions end ABORT) or
+failed with an error. Ending releases its sequences (the memory service
+frees them in the next Step) and closes its stream through the outbox.
+Mutated only by the engine loop (``abort`` only records the wish).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from kvpager.errors import AlreadyExists, DeadlineExceeded, KvpagerError, ResourceExhausted
+from kvpager.prefix_index.hashing import PromptChain
+from gateway import metrics
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.outputs import Outbox, take_output
+from gateway.sequences import SequenceTable
+from gateway.state import Completion, Finish, Request
+
+
+class RequestBook:
+    def __init__(self, sequences: SequenceTable, outbox: Outbox, max_waiting: int) -> None:
+        self.sequences = sequences
+        self.outbox = outbox
+        self.max_waiting = max_waiting
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._aborts: dict[str, KvpagerError | None] = {}  # request id -> its error (None: a plain abort)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def values(self):
+        return self.requests.values()
+
+    def new(self, request_id: str, prompt_ids: list[int], spec, *, seed: int | None, priority: int,
+            cache_salt: str, deadline: float | None, skip_special_tokens: bool,
+            chain: PromptChain | None = None) -> Request:
+        return Request(request_id, prompt_ids, spec, seed if seed is not None else random.getrandbits(62),
+                       priority=priority, cache_salt=cache_salt, arrival=next(self._arrivals), deadline=deadline,
+                       skip_special_tokens=skip_special_tokens,
+                       chain=chain if chain is not None else PromptChain(prompt_ids, cache_salt))
+
+    def admit(self, req: Request, executor_id: str, tokenizer):
+        """Take a validated request (nothing is allocated yet); returns its first sequence."""
+        if req.request_id in self.requests:
+            raise AlreadyExists(f"request id {req.request_id!r} is in use")
+        if len(self.requests) >= self.max_waiting:
+            raise ResourceExhausted(f"{len(self.requests)} requests in flight; the limit is {self.max_waiting}",
+                                    retry_after_s=1.0)
+        req.executor_id = executor_id
+        req.completions = [Completion(i, IncrementalDetokenizer(tokenizer, req.prompt_ids, req.skip_special_tokens))
+                           for i in range(req.spec.num_completions)]
+        seq = self.sequences.start(req, None if req.spec.beam_width > 1 else req.completions[0])
+        self.requests[req.request_id] = req
+        metrics.REQUESTS_RUNNING.set(len(self.requests))
+        return seq
+
+    # ---- aborts --------------------------------------------------------------------
+
+    def abort(self, request_id: str, error: KvpagerError | None = None) -> bool:
+        """Ask for a request to end (applied by the loop, before its next Step)."""
+        if request_id not in self.requests:
+            return False
+        self._aborts[request_id] = error
+        return True
+
+    @property
+    def aborts_pending(self) -> bool:
+        return bool(self._aborts)
+
+    def apply_aborts(self, now: float) -> None:
+        """End the requests asked to end, and those past their deadline (loop time ``now``)."""
+        for req in self.requests.values():
+            if req.deadline is not None and now > req.deadline and req.request_id not in self._aborts:
+                self._aborts[req.request_id] = DeadlineExceeded("request deadline passed")
+        aborts, self._aborts = self._aborts, {}
+        for request_id, error in aborts.items():
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if error is None:
+                for comp in req.completions:
+                    if comp.finish is Finish.NONE:
+                        comp.finish = Finish.ABORT
+                        out = take_output(req, comp)
+                        if out is not None:
+                            self.outbox.emit(req, out)
+                self.end(req, abort=True)
+            else:
+                self.fail(req, error)
+            metrics.ABORTS.inc()
+
+    # ---- endings -----------------------------------------------------------------------
+
+    def end(self, req: Request, abort: bool = False) -> None:
+        """Every completion has ended (or is aborted): release and close the stream."""
+        for seq in self.sequences.of_request(req):
+            self.sequences.release(seq, abort=abort)
+        self._close(req, Outbox.END, "abort" if abort else "ok")
+
+    def fail(self, req: Request, error: KvpagerError, release: bool = True) -> None:
+        """End with ``error``. ``release=False``: the memory service has dropped
+        its sequences already (executor lost, state reset), forget them here only."""
+        if req.done:
+            return
+        for seq in self.sequences.of_request(req):
+            if release:
+                self.sequences.release(seq, abort=True)
+            else:
+                self.sequences.forget(seq.seq_id)
+        self._close(req, error, error.status.lower())
+
+    def fail_all(self, error: KvpagerError, release: bool = True) -> None:
+        for req in list(self.requests.values()):
+            self.fail(req, error, release=release)
+
+    def _close(self, req: Request, last_item, outcome: str) -> None:
+        req.done = True
+        self.requests.pop(req.request_id, None)
+        self.outbox.emit(req, last_item)
+        metrics.REQUESTS_RUNNING.set(len(self.requests))
+        metrics.REQUESTS_FINISHED.labels(outcome).inc()

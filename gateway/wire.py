@@ -1,0 +1,179 @@
+"""Pure builders between the engine's records and the wire messages.
+
+The engine decides (what to schedule, how each row samples); these turn its
+decisions and the memory service's plan into StepRequest / ExecuteRequest
+messages and the replies back into typed records. No state, no I/O.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvpager.errors import InvalidArgument, KvpagerError, ResourceExhausted
+from kvpager.packed import array_bytes, pack_i32, pack_i64, unpack_f32, unpack_i32, unpack_i64
+from kvpager.prefix_index.hashing import pack_hashes
+from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
+from gateway.clients import ExecutorClient
+from gateway.scheduling import Batch
+from gateway.sequences import Changes
+from gateway.state import Seq
+
+# Seeds travel as int64: a client's uint64 seed (+ completion index) is taken
+# modulo 2**63 (an unmasked 2**63 overflowed the step and failed every request).
+SEED_MASK = (1 << 63) - 1
+
+
+# ---- the Step ---------------------------------------------------------------------------
+
+
+def new_sequence(seq: Seq, ex: ExecutorClient) -> memory_pb2.NewSequence:
+    """A sequence the memory service does not know yet, with its prompt's block
+    hashes in the executor's namespace (the request's chain: hashed once)."""
+    req = seq.request
+    hashes = b""
+    if req.chain is not None and len(seq.tokens) == len(req.prompt_ids):
+        hashes = pack_hashes(req.chain.hashes(ex.namespace, ex.block_size))
+    return memory_pb2.NewSequence(
+        seq_id=seq.seq_id, executor_id=seq.executor_id, prompt_token_ids=pack_i32(seq.tokens),
+        priority=req.priority, cache_salt=req.cache_salt,
+        max_total_tokens=len(req.prompt_ids) + req.spec.max_tokens, prompt_block_hashes=hashes)
+
+
+def step_request(step_id: int, changes: Changes, batch: Batch,
+                 executors: dict[str, ExecutorClient]) -> memory_pb2.StepRequest:
+    app = list(changes.appends)
+    appended = None
+    if app:
+        appended = common_pb2.TokenBatch(seq_ids=pack_i64(app), offsets=pack_i32(range(len(app) + 1)),
+                                         token_ids=pack_i32(changes.appends[s] for s in app))
+    return memory_pb2.StepRequest(
+        step_id=step_id, appended=appended,
+        forks=[memory_pb2.ForkOp(parent_seq_id=p, child_seq_ids=c) for p, c in changes.forks],
+        free_seq_ids=pack_i64(changes.free), abort_seq_ids=pack_i64(changes.abort),
+        new_sequences=[new_sequence(s, executors[s.executor_id]) for s in batch.new],
+        schedule_seq_ids=pack_i64(s.seq_id for s in batch.seqs), schedule_num_tokens=pack_i32(batch.num_tokens))
+
+
+# ---- the plan ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Rejection:
+    seq_id: int
+    error: KvpagerError
+
+
+_REJECTIONS = {common_pb2.REJECTION_REASON_OVER_CONTEXT_LIMIT: InvalidArgument,
+               common_pb2.REJECTION_REASON_OVER_POOL: ResourceExhausted}
+
+
+def rejections(plan: memory_pb2.StepPlan) -> list[Rejection]:
+    """New sequences the memory service refused, with the error their requests end with."""
+    return [Rejection(r.seq_id, _REJECTIONS.get(r.reason, InvalidArgument)(r.message)) for r in plan.rejected]
+
+
+def preemptions(plan: memory_pb2.StepPlan) -> list[tuple[int, bool]]:
+    """(seq_id, swapped) of the sequences that lost their device blocks this step."""
+    return [(p.seq_id, p.mode == common_pb2.PREEMPTION_MODE_SWAP) for p in plan.preempted]
+
+
+@dataclass(slots=True)
+class PlanRow:
+    """One row of an executor's plan, as the engine needs it."""
+
+    seq_id: int
+    start: int          # tokens already in cache
+    num_tokens: int     # computed now
+    cached: int         # prefix-cache hit of its first admission (0 otherwise)
+
+
+def plan_rows(plan: memory_pb2.ExecutorPlan) -> list[PlanRow]:
+    seq_ids = unpack_i64(plan.seq_ids)
+    ctx, qlen, cached = unpack_i32(plan.context_lens), unpack_i32(plan.query_lens), unpack_i32(plan.num_cached_tokens)
+    return [PlanRow(seq_id, ctx[i], qlen[i], cached[i] if i < len(cached) else 0) for i, seq_id in enumerate(seq_ids)]
+
+
+def has_work(plan: memory_pb2.ExecutorPlan) -> bool:
+    """Rows, or cache ops alone (a swap-out of a preempted sequence must still run)."""
+    ops = plan.cache_ops
+    return bool(plan.seq_ids or ops.copy_src or ops.swap_out_src or ops.swap_in_src)
+
+
+# ---- Execute ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Row:
+    """One executor row: its sequence, the tokens computed now, how it samples."""
+
+    seq: Seq
+    token_ids: list[int]
+    num_samples: int = 0                              # tokens to sample (0: mid-prefill, or top-k only)
+    num_top: int = 0                                  # top logprobs to return (beam search)
+    seeds: list[int] = field(default_factory=list)    # one per sampled token
+
+
+def execute_request(step_id: int, incarnation: int, plan: memory_pb2.ExecutorPlan,
+                    rows: list[Row]) -> executor_pb2.ExecuteRequest:
+    """The executor's part of the plan, with token ids and sampling added.
+    Block tables and slot mappings pass through as the memory service packed them."""
+    tokens = array("i")
+    num_samples, temps, top_ps, top_ks, seeds, tops = (array("i"), array("f"), array("f"), array("i"),
+                                                        array("q"), array("i"))
+    want_logprobs = False
+    for row in rows:
+        spec = row.seq.request.spec
+        tokens.extend(row.token_ids)
+        num_samples.append(row.num_samples)
+        temps.append(spec.temperature)
+        top_ps.append(spec.top_p)
+        top_ks.append(spec.top_k)
+        tops.append(row.num_top)
+        seeds.extend(s & SEED_MASK for s in row.seeds)
+        want_logprobs = want_logprobs or spec.logprobs
+    return executor_pb2.ExecuteRequest(
+        step_id=step_id, incarnation=incarnation, cache_ops=plan.cache_ops, seq_ids=plan.seq_ids,
+        context_lens=plan.context_lens, query_lens=plan.query_lens, token_ids=array_bytes(tokens),
+        block_table_offsets=plan.block_table_offsets, block_tables=plan.block_tables,
+        slot_mapping=plan.slot_mapping,
+        sampling=executor_pb2.SamplingBatch(
+            num_samples=array_bytes(num_samples), temperature=array_bytes(temps), top_p=array_bytes(top_ps),
+            top_k=array_bytes(top_ks), seeds=array_bytes(seeds), num_top_logprobs=array_bytes(tops),
+            return_logprobs=want_logprobs))
+
+
+@dataclass(slots=True)
+class RowResult:
+    """What one row got back: sampled tokens (with logprobs), or beam candidates."""
+
+    row: Row
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+def row_results(rows: Iterable[Row], resp: executor_pb2.ExecuteResponse) -> list[RowResult]:
+    """The response cut into rows (rows that sampled nothing and want no top logprobs are skipped)."""
+    sampled = unpack_i32(resp.sampled_token_ids)
+    logprobs = unpack_f32(resp.sampled_logprobs) if resp.sampled_logprobs else None
+    top_offsets = unpack_i32(resp.top_offsets) if resp.top_offsets else None
+    top_ids = unpack_i32(resp.top_token_ids) if resp.top_token_ids else None
+    top_lps = unpack_f32(resp.top_logprobs) if resp.top_logprobs else None
+    out = []
+    pos = 0
+    for i, row in enumerate(rows):
+        if row.num_top:
+            a, b = top_offsets[i], top_offsets[i + 1]
+            out.append(RowResult(row, top_ids=list(top_ids[a:b]), top_logprobs=list(top_lps[a:b])))
+            continue
+        n = row.num_samples
+        if not n:
+            continue
+        toks = list(sampled[pos:pos + n])
+        lps = list(logprobs[pos:pos + n]) if logprobs is not None else [None] * n
+        pos += n
+        out.append(RowResult(row, toks, lps))
+    return out
