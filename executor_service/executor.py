@@ -32,6 +32,7 @@ from executor_service.step import (
     build_sampling_inputs,
     check_step,
 )
+from executor_service.tables import BlockTables, Resolved
 from executor_service.write_log import WriteLog
 from kvpager.errors import ResourceExhausted
 from kvpager.telemetry import get_logger
@@ -218,6 +219,8 @@ class Executor:
         self.pool_generation = 1
         self.last_step_id = 0  # step_id of the last Execute this pool applied (ConfirmPool; 0 = none)
         self.write_log = WriteLog(self.pool.block_size)  # blocks recent steps wrote (ConfirmPool)
+        # The running sequences' block tables: kept here, changed by each plan (docs/executor.md).
+        self.tables = BlockTables(num_blocks, config.block_size, self.max_model_len)
         self._limits = PoolLimits(
             num_blocks=num_blocks,
             num_swap_blocks=num_swap,
@@ -319,18 +322,22 @@ class Executor:
         touching anything, ResourceExhausted when memory runs out."""
         step = check_step(step, self._limits)
         with self._lock:
+            resolved = self.tables.resolve(step.table_epoch, step.tables, step.seq_ids, step.query_lens,
+                                           step.context_lens)
             # Recorded before anything is touched: a ConfirmPool racing this step sees it.
             self.last_step_id = step.step_id
-            self.write_log.record(step.step_id, step.slot_mapping, step.cache_ops.copy_dst,
+            self.write_log.record(step.step_id, resolved.slot_mapping, step.cache_ops.copy_dst,
                                   step.cache_ops.swap_in_dst)
+            self.tables.commit(resolved, step.seq_ids, step.query_lens)
             try:
-                return self._run(step)
+                return self._run(step, resolved)
             except Exception as exc:
                 # The pool may hold half-applied moves now: invalidate what
-                # the memory service remembers of it.
+                # the memory service remembers of it, and every table.
                 self.pool_generation += 1
                 self.last_step_id = 0  # a new generation has applied nothing yet
                 self.write_log.reset()
+                self.tables.clear()
                 if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
                     metrics.FAILED_STEPS.labels(self.executor_id, "error").inc()
                     raise
@@ -343,7 +350,7 @@ class Executor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _run(self, step: StepInput) -> StepOutput:
+    def _run(self, step: StepInput, resolved: Resolved) -> StepOutput:
         ops = step.cache_ops
         t0 = time.perf_counter()
         if ops.num_ops:
@@ -357,14 +364,14 @@ class Executor:
             torch.set_num_threads(threads)
         sampling = step.sampling
         if num_tokens:
-            batch = build_forward_batch(step, self.device)
+            batch = build_forward_batch(step, resolved, self.device)
             logits = self.runner.forward(batch, self._kv_caches, self.backend)  # [R, V]
             self._sync()
         t2 = time.perf_counter()
         top_counts = np.zeros(n, np.int64)
         if num_tokens and len(batch.logits_indices):
             rows = np.nonzero((sampling.num_samples > 0) | (sampling.num_top_logprobs > 0))[0]
-            out = sample(logits, build_sampling_inputs(step, self.device))
+            out = sample(logits, build_sampling_inputs(step, resolved, self.device))
             token_ids = out.token_ids.to(torch.int32).cpu().numpy()
             logprobs = out.logprobs.cpu().numpy().astype(np.float32) if out.logprobs is not None else None
             top_counts[rows] = out.top_counts.cpu().numpy()

@@ -16,6 +16,7 @@ import numpy as np
 
 from executor_service.executor import Executor
 from executor_service.step import CacheOps, Sampling, StepInput, StepOutput
+from executor_service.tables import TableChanges
 from kvpager import packed
 from kvpager.errors import Unavailable
 from kvpager.v1 import common_pb2, executor_pb2, executor_pb2_grpc
@@ -49,20 +50,38 @@ def cache_ops_from_proto(ops: common_pb2.CacheOps) -> CacheOps:
     )
 
 
+def _offsets(data: bytes, field: str) -> np.ndarray:
+    return _i32(data, field) if data else np.zeros(1, np.int32)
+
+
+def tables_from_proto(t: common_pb2.TableChanges) -> TableChanges:
+    return TableChanges(
+        forks=[(f.parent_seq_id, list(f.child_seq_ids)) for f in t.forks],
+        dropped=_i64(t.dropped_seq_ids, "tables.dropped_seq_ids"),
+        started_seq_ids=_i64(t.started_seq_ids, "tables.started_seq_ids"),
+        started_context_lens=_i32(t.started_context_lens, "tables.started_context_lens"),
+        started_offsets=_offsets(t.started_offsets, "tables.started_offsets"),
+        started_block_ids=_i32(t.started_block_ids, "tables.started_block_ids"),
+        extended_seq_ids=_i64(t.extended_seq_ids, "tables.extended_seq_ids"),
+        extended_first_index=_i32(t.extended_first_index, "tables.extended_first_index"),
+        extended_offsets=_offsets(t.extended_offsets, "tables.extended_offsets"),
+        extended_block_ids=_i32(t.extended_block_ids, "tables.extended_block_ids"),
+    )
+
+
 def step_from_proto(req: executor_pb2.ExecuteRequest) -> StepInput:
     s = req.sampling
+    plan = req.plan
     return StepInput(
         step_id=req.step_id,
         incarnation=req.incarnation,
-        seq_ids=_i64(req.seq_ids, "seq_ids"),
-        context_lens=_i32(req.context_lens, "context_lens"),
-        query_lens=_i32(req.query_lens, "query_lens"),
+        seq_ids=_i64(plan.seq_ids, "plan.seq_ids"),
+        query_lens=_i32(plan.query_lens, "plan.query_lens"),
         token_ids=_i32(req.token_ids, "token_ids"),
-        block_table_offsets=_i32(req.block_table_offsets, "block_table_offsets") if req.block_table_offsets
-        else np.zeros(1, np.int32),
-        block_tables=_i32(req.block_tables, "block_tables"),
-        slot_mapping=_i32(req.slot_mapping, "slot_mapping"),
-        cache_ops=cache_ops_from_proto(req.cache_ops),
+        table_epoch=plan.table_epoch,
+        tables=tables_from_proto(plan.tables),
+        context_lens=_opt(req.context_lens, _i32, "context_lens"),
+        cache_ops=cache_ops_from_proto(plan.cache_ops),
         sampling=Sampling(
             num_samples=_opt(s.num_samples, _i32, "sampling.num_samples"),
             temperature=_opt(s.temperature, _f32, "sampling.temperature"),

@@ -2,12 +2,14 @@
 
 Pure functions over numpy arrays (no grpc, no model): the servicer decodes
 the proto's packed bytes into a ``StepInput``; ``check_step`` rejects
-anything inconsistent BEFORE a tensor is touched; ``build_forward_batch`` and
-``build_sampling_inputs`` turn a checked step into device tensors.
+anything inconsistent BEFORE a tensor is touched (the block tables are the
+executor's own, checked by ``tables.BlockTables.resolve``);
+``build_forward_batch`` and ``build_sampling_inputs`` turn a checked,
+resolved step into device tensors.
 
 Rows follow ``seq_ids``. Token j of sequence s sits at absolute position
-``context_lens[s] + j`` and goes to slot
-``block_tables[s][pos // block_size] * block_size + pos % block_size``.
+``context_len[s] + j`` (the tokens its table already holds) and goes to
+slot ``table[s][pos // block_size] * block_size + pos % block_size``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from executor_service.model_runner import ForwardBatch
 from executor_service.sampler import SamplingInputs
+from executor_service.tables import Resolved, TableChanges
 from kvpager.errors import FailedPrecondition, InvalidArgument
 
 MAX_SAMPLES_PER_SEQ = 1024
@@ -64,12 +67,11 @@ class Sampling:
 class StepInput:
     step_id: int
     seq_ids: np.ndarray              # int64 [n]
-    context_lens: np.ndarray         # int32 [n]
     query_lens: np.ndarray           # int32 [n]
     token_ids: np.ndarray            # int32 [sum(query_lens)]
-    block_table_offsets: np.ndarray  # int32 [n + 1]
-    block_tables: np.ndarray         # int32
-    slot_mapping: np.ndarray         # int32 [sum(query_lens)]
+    table_epoch: int = 0             # the plan's; another one voids the tables first
+    tables: TableChanges = field(default_factory=TableChanges)
+    context_lens: np.ndarray | None = None  # int32 [n]: the gateway's count, checked against the tables
     incarnation: int = 0             # 0 = unchecked
     cache_ops: CacheOps = field(default_factory=CacheOps)
     sampling: Sampling = field(default_factory=Sampling)
@@ -166,7 +168,7 @@ def _normalized_sampling(s: Sampling, n: int, vocab_size: int) -> Sampling:
 
 
 def check_step(step: StepInput, limits: PoolLimits) -> StepInput:
-    """Validate everything; return the step with sampling defaults filled in.
+    """Validate everything but the tables; return the step with sampling defaults filled in.
 
     Raises:
         FailedPrecondition: the plan was made for another incarnation.
@@ -177,69 +179,21 @@ def check_step(step: StepInput, limits: PoolLimits) -> StepInput:
             f"plan for incarnation {step.incarnation}, this executor is {limits.incarnation}"
         )
     n = len(step.seq_ids)
-    _check_len(step.context_lens, n, "context_lens")
     _check_len(step.query_lens, n, "query_lens")
+    if step.context_lens is not None:
+        _check_len(step.context_lens, n, "context_lens")
     if len(np.unique(step.seq_ids)) != n:
         _fail("seq_ids must be distinct")
-    ctx = step.context_lens.astype(np.int64)
     q = step.query_lens.astype(np.int64)
-    if n and int(ctx.min()) < 0:
-        _fail("context_lens must be >= 0")
     if n and int(q.min()) < 1:
         _fail("query_lens must be >= 1")
-    total = ctx + q  # [n]
-    if n and int(total.max()) > limits.max_model_len:
-        s = int(np.argmax(total))
-        _fail(f"sequence {int(step.seq_ids[s])}: {int(total[s])} tokens exceed max_model_len {limits.max_model_len}")
-    num_tokens = int(q.sum())
-    _check_len(step.token_ids, num_tokens, "token_ids (sum of query_lens)")
-    _check_len(step.slot_mapping, num_tokens, "slot_mapping (sum of query_lens)")
+    if n and int(q.max()) > limits.max_model_len:
+        _fail(f"query_lens must be <= max_model_len {limits.max_model_len}")
+    _check_len(step.token_ids, int(q.sum()), "token_ids (sum of query_lens)")
     _check_ids(step.token_ids, limits.vocab_size, "token_ids", "token")
-
-    # Block tables: CSR rows, ids in the pool, long enough for every position.
-    off = step.block_table_offsets.astype(np.int64)
-    _check_len(off, n + 1, "block_table_offsets")
-    if off[0] != 0 or off[-1] != len(step.block_tables) or np.any(np.diff(off) < 0):
-        _fail(f"block_table_offsets must rise from 0 to {len(step.block_tables)}")
-    _check_ids(step.block_tables, limits.num_blocks, "block_tables", "block")
-    bs = limits.block_size
-    need = (total + bs - 1) // bs
-    short = np.diff(off) < need
-    if np.any(short):
-        s = int(np.argmax(short))
-        _fail(f"sequence {int(step.seq_ids[s])}: block table holds {int(off[s + 1] - off[s])} blocks, "
-              f"{int(need[s])} needed for {int(total[s])} tokens")
-
-    # Slot mapping must be exactly what the block tables say.
-    if num_tokens:
-        seq_of = np.repeat(np.arange(n), q)  # [T]
-        qstart = np.cumsum(q) - q
-        pos = ctx[seq_of] + np.arange(num_tokens) - qstart[seq_of]  # [T]
-        expected = step.block_tables.astype(np.int64)[off[seq_of] + pos // bs] * bs + pos % bs
-        wrong = step.slot_mapping.astype(np.int64) != expected
-        if np.any(wrong):
-            t = int(np.argmax(wrong))
-            _fail(f"slot_mapping[{t}] = {int(step.slot_mapping[t])} but the block table of sequence "
-                  f"{int(step.seq_ids[seq_of[t]])} puts position {int(pos[t])} at slot {int(expected[t])}")
-        if len(np.unique(step.slot_mapping)) != num_tokens:
-            _fail("slot_mapping writes one slot twice (shared block written without copy-on-write)")
-
     _check_cache_ops(step.cache_ops, limits)
     sampling = _normalized_sampling(step.sampling, n, limits.vocab_size)
     return dataclasses.replace(step, sampling=sampling)
-
-
-def _padded_tables(offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """CSR rows -> [n, max_row_len] int32, padded with block 0 (masked anyway)."""
-    n = len(offsets) - 1
-    lens = np.diff(offsets.astype(np.int64))
-    width = max(1, int(lens.max()) if n else 1)
-    out = np.zeros((n, width), np.int32)
-    if len(values):
-        rows = np.repeat(np.arange(n), lens)
-        cols = np.arange(len(values)) - np.repeat(offsets[:-1].astype(np.int64), lens)
-        out[rows, cols] = values
-    return out
 
 
 def sampled_rows(step: StepInput) -> np.ndarray:
@@ -248,10 +202,10 @@ def sampled_rows(step: StepInput) -> np.ndarray:
     return np.nonzero((s.num_samples > 0) | (s.num_top_logprobs > 0))[0]
 
 
-def build_forward_batch(step: StepInput, device: torch.device) -> ForwardBatch:
-    """Device tensors for a checked step."""
+def build_forward_batch(step: StepInput, resolved: Resolved, device: torch.device) -> ForwardBatch:
+    """Device tensors for a checked, resolved step."""
     q = step.query_lens.astype(np.int64)
-    ctx = step.context_lens.astype(np.int64)
+    ctx = resolved.context_lens
     n, num_tokens = len(q), int(q.sum())
     qsl = np.zeros(n + 1, np.int64)
     np.cumsum(q, out=qsl[1:])
@@ -265,15 +219,15 @@ def build_forward_batch(step: StepInput, device: torch.device) -> ForwardBatch:
     return ForwardBatch(
         input_ids=dev(step.token_ids, torch.int64),
         positions=dev(positions, torch.int64),
-        slot_mapping=dev(step.slot_mapping, torch.int32),
-        block_tables=dev(_padded_tables(step.block_table_offsets, step.block_tables), torch.int32),
+        slot_mapping=dev(resolved.slot_mapping, torch.int32),
+        block_tables=dev(resolved.tables, torch.int32),
         seq_lens=dev(ctx + q, torch.int32),
         query_start_loc=dev(qsl, torch.int32),
         logits_indices=dev(logits_indices, torch.int64),
     )
 
 
-def build_sampling_inputs(step: StepInput, device: torch.device) -> SamplingInputs:
+def build_sampling_inputs(step: StepInput, resolved: Resolved, device: torch.device) -> SamplingInputs:
     """Sampling tensors for the rows ``sampled_rows(step)`` (same order as the logits)."""
     s = step.sampling
     rows = sampled_rows(step)
@@ -281,7 +235,7 @@ def build_sampling_inputs(step: StepInput, device: torch.device) -> SamplingInpu
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
-    positions = step.context_lens.astype(np.int64) + step.query_lens.astype(np.int64)
+    positions = resolved.context_lens + step.query_lens.astype(np.int64)
     return SamplingInputs(
         num_samples=dev(s.num_samples[rows], torch.int64),
         temperature=dev(s.temperature[rows], torch.float32),

@@ -22,7 +22,7 @@ from kvpager.errors import FailedPrecondition, Internal, KvpagerError, NotFound,
 from kvpager.prefix_index.hashing import PromptChain
 from kvpager.seq_status import SeqStatus
 from kvpager.telemetry import get_logger
-from kvpager.v1 import executor_pb2, memory_pb2
+from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
 from gateway import metrics, wire
 from gateway.beam import BeamSearch
 from gateway.clients import ExecutorClient, MemoryClient
@@ -293,19 +293,20 @@ class Engine:
                 seq.num_computed = 0
             metrics.PREEMPTIONS.labels("swap" if swapped else "recompute").inc()
 
-    def _rows(self, ep: memory_pb2.ExecutorPlan) -> list[wire.Row]:
+    def _rows(self, ep: common_pb2.ExecutorPlan) -> list[wire.Row]:
         """The executor's rows: tokens to compute and how each samples. Marks
         what the plan granted (admitted, running, computed through)."""
         rows = []
-        for p in wire.plan_rows(ep):
-            seq = self.sequences.seqs[p.seq_id]
+        seqs = self.sequences.seqs
+        for p in wire.plan_rows(ep, lambda seq_id: seqs[seq_id].num_computed):
+            seq = seqs[p.seq_id]
             req = seq.request
             if not req.admitted:
                 req.admitted = True
                 req.num_cached_tokens = p.cached
             seq.status = SeqStatus.RUNNING
             seq.num_computed = p.start + p.num_tokens
-            row = wire.Row(seq, seq.tokens[p.start:seq.num_computed])
+            row = wire.Row(seq, p.start, seq.tokens[p.start:seq.num_computed])
             if seq.num_computed == len(seq.tokens):  # the last known token: its logits are wanted
                 spec = req.spec
                 if spec.beam_width > 1:
@@ -393,3 +394,4 @@ class Engine:
                     await self.memory.free([seq_id], abort=True)
                 except KvpagerError:
                     pass
+

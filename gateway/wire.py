@@ -8,7 +8,7 @@ messages and the replies back into typed records. No state, no I/O.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvpager.errors import InvalidArgument, KvpagerError, ResourceExhausted
@@ -50,7 +50,7 @@ def step_request(step_id: int, changes: Changes, batch: Batch,
                                          token_ids=pack_i32(changes.appends[s] for s in app))
     return memory_pb2.StepRequest(
         step_id=step_id, appended=appended,
-        forks=[memory_pb2.ForkOp(parent_seq_id=p, child_seq_ids=c) for p, c in changes.forks],
+        forks=[common_pb2.ForkOp(parent_seq_id=p, child_seq_ids=c) for p, c in changes.forks],
         free_seq_ids=pack_i64(changes.free), abort_seq_ids=pack_i64(changes.abort),
         new_sequences=[new_sequence(s, executors[s.executor_id]) for s in batch.new],
         schedule_seq_ids=pack_i64(s.seq_id for s in batch.seqs), schedule_num_tokens=pack_i32(batch.num_tokens))
@@ -89,13 +89,24 @@ class PlanRow:
     cached: int         # prefix-cache hit of its first admission (0 otherwise)
 
 
-def plan_rows(plan: memory_pb2.ExecutorPlan) -> list[PlanRow]:
-    seq_ids = unpack_i64(plan.seq_ids)
-    ctx, qlen, cached = unpack_i32(plan.context_lens), unpack_i32(plan.query_lens), unpack_i32(plan.num_cached_tokens)
-    return [PlanRow(seq_id, ctx[i], qlen[i], cached[i] if i < len(cached) else 0) for i, seq_id in enumerate(seq_ids)]
+def plan_rows(plan: common_pb2.ExecutorPlan, computed: Callable[[int], int]) -> list[PlanRow]:
+    """The plan's rows. A started sequence (admitted, swapped in) starts where
+    the plan says; any other continues from what the gateway counted as
+    computed (``computed(seq_id)``, in tokens): the executor checks the two agree."""
+    t = plan.tables
+    starts = {}
+    if t.started_seq_ids:
+        ctx, cached = unpack_i32(t.started_context_lens), unpack_i32(plan.started_cached_tokens)
+        for i, seq_id in enumerate(unpack_i64(t.started_seq_ids)):
+            starts[seq_id] = (ctx[i], cached[i] if i < len(cached) else 0)
+    rows = []
+    for seq_id, q in zip(unpack_i64(plan.seq_ids), unpack_i32(plan.query_lens)):
+        start, cached = starts.get(seq_id) or (computed(seq_id), 0)
+        rows.append(PlanRow(seq_id, start, q, cached))
+    return rows
 
 
-def has_work(plan: memory_pb2.ExecutorPlan) -> bool:
+def has_work(plan: common_pb2.ExecutorPlan) -> bool:
     """Rows, or cache ops alone (a swap-out of a preempted sequence must still run)."""
     ops = plan.cache_ops
     return bool(plan.seq_ids or ops.copy_src or ops.swap_out_src or ops.swap_in_src)
@@ -109,23 +120,25 @@ class Row:
     """One executor row: its sequence, the tokens computed now, how it samples."""
 
     seq: Seq
+    start: int                                        # tokens in cache before this step
     token_ids: list[int]
     num_samples: int = 0                              # tokens to sample (0: mid-prefill, or top-k only)
     num_top: int = 0                                  # top logprobs to return (beam search)
     seeds: list[int] = field(default_factory=list)    # one per sampled token
 
 
-def execute_request(step_id: int, incarnation: int, plan: memory_pb2.ExecutorPlan,
+def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPlan,
                     rows: list[Row]) -> executor_pb2.ExecuteRequest:
-    """The executor's part of the plan, with token ids and sampling added.
-    Block tables and slot mappings pass through as the memory service packed them."""
-    tokens = array("i")
+    """The executor's part of the plan (passed through untouched: rows, table
+    changes, cache ops), with token ids, context lengths and sampling added."""
+    tokens, starts = array("i"), array("i")
     num_samples, temps, top_ps, top_ks, seeds, tops = (array("i"), array("f"), array("f"), array("i"),
                                                         array("q"), array("i"))
     want_logprobs = False
     for row in rows:
         spec = row.seq.request.spec
         tokens.extend(row.token_ids)
+        starts.append(row.start)
         num_samples.append(row.num_samples)
         temps.append(spec.temperature)
         top_ps.append(spec.top_p)
@@ -134,10 +147,8 @@ def execute_request(step_id: int, incarnation: int, plan: memory_pb2.ExecutorPla
         seeds.extend(s & SEED_MASK for s in row.seeds)
         want_logprobs = want_logprobs or spec.logprobs
     return executor_pb2.ExecuteRequest(
-        step_id=step_id, incarnation=incarnation, cache_ops=plan.cache_ops, seq_ids=plan.seq_ids,
-        context_lens=plan.context_lens, query_lens=plan.query_lens, token_ids=array_bytes(tokens),
-        block_table_offsets=plan.block_table_offsets, block_tables=plan.block_tables,
-        slot_mapping=plan.slot_mapping,
+        step_id=step_id, incarnation=incarnation, plan=plan, context_lens=array_bytes(starts),
+        token_ids=array_bytes(tokens),
         sampling=executor_pb2.SamplingBatch(
             num_samples=array_bytes(num_samples), temperature=array_bytes(temps), top_p=array_bytes(top_ps),
             top_k=array_bytes(top_ks), seeds=array_bytes(seeds), num_top_logprobs=array_bytes(tops),

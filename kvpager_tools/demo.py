@@ -104,7 +104,7 @@ async def _demo(args: argparse.Namespace) -> dict:
                         prompt, n, gen = requests[r]
                         children = [next(next_seq) for _ in range(n - 1)]
                         if children:
-                            forks.append(memory_pb2.ForkOp(parent_seq_id=s, child_seq_ids=children))
+                            forks.append(common_pb2.ForkOp(parent_seq_id=s, child_seq_ids=children))
                         seq_of[r] = [s, *children]
                         for c in seq_of[r]:
                             left[c] = gen - 1

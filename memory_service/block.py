@@ -31,6 +31,7 @@ class Block:
     prev_free: Block | None = None
     next_free: Block | None = None
     in_free_queue: bool = False
+    free_tier: int = 0  # which queue of a TieredFreeQueue holds it (the eviction policy's tier)
 
 
 class FreeBlockQueue:
@@ -84,3 +85,36 @@ class FreeBlockQueue:
             out.append(node.block_id)
             node = node.next_free
         return out
+
+
+class TieredFreeQueue:
+    """Free blocks in ``num_tiers`` FreeBlockQueues: allocation pops the
+    lowest non-empty tier's head, so tier 0 is evicted before tier 1 and so
+    on, least recently freed first within a tier. A block joins the tier its
+    ``free_tier`` names (the pool sets it from the eviction policy). With one
+    tier this is exactly a FreeBlockQueue."""
+
+    def __init__(self, blocks: list[Block], num_tiers: int = 1) -> None:
+        if num_tiers < 1:
+            raise ValueError("num_tiers must be >= 1")
+        self.queues = [FreeBlockQueue(blocks)] + [FreeBlockQueue([]) for _ in range(num_tiers - 1)]
+
+    @property
+    def num_free(self) -> int:
+        return sum(q.num_free for q in self.queues)
+
+    def append(self, block: Block) -> None:
+        self.queues[block.free_tier].append(block)
+
+    def remove(self, block: Block) -> None:
+        self.queues[block.free_tier].remove(block)
+
+    def popleft(self) -> Block:
+        for q in self.queues:
+            if q.num_free:
+                return q.popleft()
+        raise IndexError("no free blocks")
+
+    def block_ids(self) -> list[int]:
+        """Eviction order (tests and invariant checks)."""
+        return [i for q in self.queues for i in q.block_ids()]

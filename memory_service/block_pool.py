@@ -8,20 +8,25 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from memory_service.block import Block, FreeBlockQueue
+from memory_service.block import Block, FreeBlockQueue, TieredFreeQueue
 from memory_service.events import AllCleared, BlockRemoved, BlockStored, EventQueue
+from memory_service.policy import EvictionPolicy
 
 
 class BlockPool:
     def __init__(self, executor_id: str, num_blocks: int, block_size: int,
-                 events: EventQueue | None = None) -> None:
+                 events: EventQueue | None = None, eviction: EvictionPolicy | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.executor_id = executor_id
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.eviction = eviction or EvictionPolicy()
+        self._tiered = self.eviction.tiers > 1
+        # One tier (LRU, the default) is a plain queue: no per-free policy call on the hot path.
+        self.free_queue = (TieredFreeQueue(self.blocks, self.eviction.tiers) if self._tiered
+                           else FreeBlockQueue(self.blocks))
         # hash -> the one block holding that content (refcount may be 0)
         self.cached: dict[bytes, Block] = {}
         self.num_cached_free = 0  # cached blocks with refcount 0
@@ -71,10 +76,13 @@ class BlockPool:
         its (more shareable) prefix.
         """
         released = 0
+        tiered = self._tiered
         for block in reversed(blocks):
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
+                if tiered:
+                    block.free_tier = self.eviction.tier(block)
                 self.free_queue.append(block)
                 if block.block_hash is not None:
                     self.num_cached_free += 1
@@ -119,9 +127,11 @@ class BlockPool:
         if block.ref_cnt != 0 or block.block_hash is not None:
             return False
         self.free_queue.remove(block)
-        self.free_queue.append(block)
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        if self._tiered:
+            block.free_tier = self.eviction.tier(block)
+        self.free_queue.append(block)
         self.cached[block_hash] = block
         self.num_cached_free += 1
         self.events.emit(BlockStored(self.executor_id, block_hash, parent_hash, block_id, depth, block.token_ids))

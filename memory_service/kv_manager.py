@@ -2,19 +2,24 @@
 executor's pool, prefix hits, slot allocation with copy-on-write, fork,
 swap and free.
 
-Mechanism only. Every operation either succeeds or returns None with no
-change; which sequence to preempt is decided by the caller's policy.
-Cache operations (copies, swaps) are appended to a `CacheOpsBuilder` as data.
+Mechanism only. Every operation either succeeds or returns None / False
+with no change; which sequence to preempt is decided by the caller's policy.
+What the executor must learn is recorded as data as it happens: cache
+operations (copies, swaps) in a ``CacheOpsBuilder``, block-table changes in
+a ``TableChanges`` (``memory_service.changes``).
 """
 
 from __future__ import annotations
 
+import secrets
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from memory_service.block import Block
 from memory_service.block_pool import BlockPool, SwapPool
+from memory_service.changes import CacheOpsBuilder, TableChanges
 from memory_service.events import EventQueue
+from memory_service.policy import EvictionPolicy
 from kvpager.prefix_index.hashing import extend_chain, hash_blocks
 from kvpager.seq_status import SeqStatus
 from memory_service.sequence import Sequence
@@ -39,25 +44,6 @@ class ExecutorSpec:
 
 
 @dataclass(slots=True)
-class CacheOpsBuilder:
-    """Copy / swap ops of one executor for one step (executed: swap-out,
-    swap-in, then copies)."""
-
-    copy_src: list[int] = field(default_factory=list)
-    copy_dst: list[int] = field(default_factory=list)
-    swap_out_src: list[int] = field(default_factory=list)
-    swap_out_dst: list[int] = field(default_factory=list)
-    swap_in_src: list[int] = field(default_factory=list)
-    swap_in_dst: list[int] = field(default_factory=list)
-    # CPU blocks read by this step's swap-ins; reusable only after the step,
-    # or a swap-out (executed first) could overwrite them before they are read.
-    deferred_swap_free: list[int] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.copy_src or self.swap_out_src or self.swap_in_src)
-
-
-@dataclass(slots=True)
 class Counters:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -73,14 +59,19 @@ def _cdiv(a: int, b: int) -> int:
 class ExecutorKV:
     """Block tables of one executor's sequences. Owns its BlockPool and SwapPool."""
 
-    def __init__(self, spec: ExecutorSpec, events: EventQueue | None = None) -> None:
+    def __init__(self, spec: ExecutorSpec, events: EventQueue | None = None,
+                 eviction: EvictionPolicy | None = None) -> None:
         self.spec = spec
         self.block_size = spec.block_size
-        self.pool = BlockPool(spec.executor_id, spec.num_blocks, spec.block_size, events)
+        self.pool = BlockPool(spec.executor_id, spec.num_blocks, spec.block_size, events, eviction)
         self.swap = SwapPool(spec.num_swap_blocks)
         self.seq_ids: set[int] = set()
         self.counters = Counters()
         self.ops = CacheOpsBuilder()
+        self.tables = TableChanges()
+        # Names this registration's tables at the executor: it forgets tables of any other epoch
+        # (an earlier registration of the same pool, or another memory service's) when it sees a new one.
+        self.table_epoch = secrets.randbits(63) or 1
         # Copy-on-write sources of this step -> references still held for the
         # copies. The executor runs swap-ins before copies, so a source must not
         # be handed out again (say to a swap-in, after its last other holder is
@@ -154,6 +145,7 @@ class ExecutorKV:
         if count_hits:
             self.counters.prefix_query_tokens += seq.num_tokens
             self.counters.prefix_hit_tokens += num_hit_tokens
+        self._start(seq, num_hit_tokens, num_hit_tokens if count_hits else 0)
         return num_hit_tokens, k
 
     def allocate_slots(self, seq: Sequence, k: int) -> bool:
@@ -176,6 +168,7 @@ class ExecutorKV:
         if need > self.pool.num_free:
             return False
         pool = self.pool
+        first_changed = shared[0] if shared else len(blocks)
         if shared:
             ops = self.ops
             for i in shared:
@@ -192,6 +185,8 @@ class ExecutorKV:
             fresh = pool.allocate(need)
             blocks.extend(fresh)
             seq.block_ids.extend([b.block_id for b in fresh])
+        if first_changed < len(blocks):
+            self.tables.extend(seq.seq_id, first_changed, seq.block_ids[first_changed:])
         return True
 
     def commit(self, seq: Sequence, k: int) -> None:
@@ -241,10 +236,14 @@ class ExecutorKV:
         child.status = parent.status
         if parent.swap_blocks:
             raise AssertionError("fork of a swapped sequence is refused by the caller")
+        if parent.on_executor:
+            self.tables.fork(parent.seq_id, child.seq_id)
+            child.on_executor = True
         return len(parent.blocks)
 
     def release(self, seq: Sequence) -> int:
         """Give back every block (device and swap). Returns device blocks freed."""
+        self._drop(seq)
         freed = self.pool.free(seq.blocks) if seq.blocks else 0
         seq.blocks = []
         seq.block_ids = array("i")
@@ -268,6 +267,7 @@ class ExecutorKV:
         assert cpu is not None, "caller checks can_swap_out"
         self.ops.swap_out_src.extend(b.block_id for b in seq.blocks)
         self.ops.swap_out_dst.extend(cpu)
+        self._drop(seq)
         self.pool.free(seq.blocks)
         seq.blocks = []
         seq.block_ids = array("i")
@@ -290,7 +290,22 @@ class ExecutorKV:
         seq.blocks = blocks
         seq.block_ids = array("i", [b.block_id for b in blocks])
         seq.status = SeqStatus.RUNNING
+        self._start(seq, seq.num_computed, 0)
         return True
+
+    def _start(self, seq: Sequence, context_len: int, cached_tokens: int) -> None:
+        self.tables.start(seq.seq_id, context_len, cached_tokens, seq.block_ids)
+        seq.on_executor = True
+
+    def _drop(self, seq: Sequence) -> None:
+        if seq.on_executor:
+            self.tables.drop(seq.seq_id)
+            seq.on_executor = False
+
+    def take_tables(self) -> TableChanges:
+        """The table changes since the last plan this executor was sent."""
+        tables, self.tables = self.tables, TableChanges()
+        return tables
 
     def take_ops(self) -> CacheOpsBuilder:
         """This step's cache ops; deferred swap blocks and copy sources become

@@ -1,57 +1,45 @@
 """The memory manager: every executor's pool and every sequence, one Step at a time.
 
-A Step is validated completely before anything changes (all-or-nothing),
-then applied in a fixed order: forks, appended tokens, frees, aborts, new
-sequences, schedule. Forks come first so that one step can fork a sequence
-and give each child its own sampled token (n > 1, beam search), and frees
-after appends so a pruned beam's parent can be forked and freed at once. Scheduling allocates in the caller's order; when a
-sequence cannot get room the victim policy picks whom to preempt and the
-mode policy how. Allocation for one sequence either succeeds or that
-sequence is not scheduled: failure never leaves partial state.
+A Step is validated completely before anything changes (``validation``:
+all-or-nothing), then applied in a fixed order: forks, appended tokens,
+frees, aborts, new sequences, schedule. Forks come first so that one step
+can fork a sequence and give each child its own sampled token (n > 1, beam
+search), and frees after appends so a pruned beam's parent can be forked and
+freed at once. The schedule is planned by ``planner`` (allocation in the
+caller's order, preemption by the policies, each executor's plan).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Iterable
 
-from kvpager.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvpager.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvpager.prefix_index.hashing import namespace_digest, root_hash
 from memory_service.accounting import PoolAccounting, check_invariants, executor_accounting, total_accounting
-from memory_service.block import Block
 from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorKV, ExecutorSpec
-from memory_service.policy import ModePolicy, PreemptionMode, VictimPolicy
-from kvpager.prefix_index.hashing import namespace_digest, root_hash
-from memory_service.records import (ExecutorStepPlan, NewSeq, PrefixScore, Rejected, RejectionReason, StepInput,
-                                    StepOutput)
-from kvpager.seq_status import SeqStatus
+from memory_service.planner import Planner
+from memory_service.policy import EvictionPolicy, ModePolicy, VictimEligibility, VictimPolicy
+from memory_service.records import NewSeq, PrefixScore, Rejected, RejectionReason, StepInput, StepOutput
 from memory_service.sequence import Sequence
-
-# Token ids are hashed as uint32: the bound when an executor registers no vocabulary.
-_MAX_TOKEN_ID = 2**32 - 1
-
-
-def _vocab_bound(kv: ExecutorKV) -> int:
-    """Token ids of kv's sequences must be below this."""
-    return kv.spec.vocab_size or _MAX_TOKEN_ID + 1
-
-
-# How many freed sequence ids are remembered, to tell a double free
-# (FAILED_PRECONDITION) from an id that never existed (NOT_FOUND).
-_TOMBSTONES = 65536
+from memory_service.validation import StepValidator
 
 
 class MemoryManager:
     def __init__(self, victim_policy: VictimPolicy | None = None, mode_policy: ModePolicy | None = None,
-                 events: EventQueue | None = None) -> None:
+                 events: EventQueue | None = None, *, eligibility: VictimEligibility | None = None,
+                 eviction: EvictionPolicy | None = None) -> None:
         self.victim_policy = victim_policy or VictimPolicy()
         self.mode_policy = mode_policy or ModePolicy()
+        self.eviction = eviction or EvictionPolicy()
         self.events = events if events is not None else EventQueue()
         self.executors: dict[str, ExecutorKV] = {}
         self.seqs: dict[int, Sequence] = {}
         self._namespaces: dict[str, bytes] = {}
-        self._freed: OrderedDict[int, None] = OrderedDict()
+        self.validator = StepValidator(self.seqs, self.executors)
+        self.planner = Planner(self.seqs, self.executors, eligibility=eligibility or VictimEligibility(),
+                               victims=self.victim_policy, modes=self.mode_policy)
         self._arrivals = itertools.count()
         self.last_step_id = 0
         self._last_output: StepOutput | None = None
@@ -73,7 +61,7 @@ class MemoryManager:
                 old.spec.address = spec.address or old.spec.address
                 return False
             self._drop_executor(old)
-        self.executors[spec.executor_id] = ExecutorKV(spec, self.events)
+        self.executors[spec.executor_id] = ExecutorKV(spec, self.events, self.eviction)
         self._namespaces[spec.executor_id] = namespace_digest(spec.model_id, spec.block_size, spec.dtype,
                                                               spec.adapter)
         return old is not None
@@ -92,7 +80,7 @@ class MemoryManager:
         for seq_id in ids:
             seq = self.seqs.pop(seq_id)
             kv.release(seq)
-            self._remember_freed(seq_id)
+            self.validator.remember_freed(seq_id)
         kv.seq_ids.clear()
         kv.pool.clear()
         return len(ids)
@@ -102,127 +90,6 @@ class MemoryManager:
         if kv is None:
             raise NotFound(f"unknown executor {executor_id!r}")
         return kv
-
-    # ---- validation -----------------------------------------------------------
-
-    def _remember_freed(self, seq_id: int) -> None:
-        self._freed[seq_id] = None
-        if len(self._freed) > _TOMBSTONES:
-            self._freed.popitem(last=False)
-
-    def _missing(self, seq_id: int, what: str) -> Exception:
-        if seq_id in self._freed:
-            return FailedPrecondition(f"{what}: sequence {seq_id} was already freed")
-        return NotFound(f"{what}: unknown sequence {seq_id}")
-
-    def _validate(self, step: StepInput) -> None:
-        """Raise a domain error for anything malformed; changes nothing."""
-        live = self.seqs
-        created: dict[int, int] = {}  # children of this step's forks -> parent
-        gone: set[int] = set()      # freed/aborted in this step
-
-        def alive(seq_id: int) -> bool:
-            return (seq_id in live or seq_id in created) and seq_id not in gone
-
-        for parent_id, children in step.forks:
-            if not alive(parent_id):
-                raise self._missing(parent_id, "fork")
-            parent = live.get(parent_id)
-            if parent is not None and parent.status is SeqStatus.SWAPPED:
-                raise FailedPrecondition(f"fork: sequence {parent_id} is swapped out")
-            if not children:
-                raise InvalidArgument("fork: no child sequence ids")
-            for child in children:
-                if alive(child) or child in created:
-                    raise AlreadyExists(f"fork: sequence {child} already exists")
-                created[child] = parent_id
-        ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
-        if ids or toks or len(offs) > 1:
-            if len(offs) != len(ids) + 1 or offs[0] != 0 or offs[-1] != len(toks):
-                raise InvalidArgument("appended: offsets must have one more entry than seq_ids and span the tokens")
-            if len(set(ids)) != len(ids):
-                raise InvalidArgument("appended: a sequence appears twice")
-            for i, seq_id in enumerate(ids):
-                seq = live.get(seq_id)  # frees come later: nothing is gone yet
-                if seq is None:
-                    if seq_id not in created:
-                        raise self._missing(seq_id, "appended")
-                    seq = live[self._origin(seq_id, created)]
-                n = offs[i + 1] - offs[i]
-                if n < 0:
-                    raise InvalidArgument("appended: offsets must not decrease")
-                if len(seq.token_ids) + n > seq.token_limit:
-                    raise InvalidArgument(f"appended: sequence {seq_id} would hold {seq.num_tokens + n} tokens, "
-                                          f"over its limit of {seq.token_limit}")
-            if toks and min(toks) < 0:
-                raise InvalidArgument("appended: token ids must be >= 0")
-            if toks and max(toks) >= min(map(_vocab_bound, self.executors.values()), default=_MAX_TOKEN_ID + 1):
-                for i, seq_id in enumerate(ids):  # rare: find whose vocabulary it leaves
-                    chunk = toks[offs[i]:offs[i + 1]]
-                    seq = live[self._origin(seq_id, created)]
-                    bound = _vocab_bound(self.executors[seq.executor_id])
-                    if chunk and max(chunk) >= bound:
-                        raise InvalidArgument(f"appended: sequence {seq_id}: token id {max(chunk)} outside the "
-                                              f"vocabulary ({bound})")
-        for what, seq_ids in (("free", step.free_seq_ids), ("abort", step.abort_seq_ids)):
-            for seq_id in seq_ids:
-                if seq_id in gone:
-                    raise FailedPrecondition(f"{what}: sequence {seq_id} is freed twice in one step")
-                if not alive(seq_id):
-                    raise self._missing(seq_id, what)
-                gone.add(seq_id)
-        new_ids = set()
-        for new in step.new_seqs:
-            if new.seq_id in new_ids or alive(new.seq_id):
-                raise AlreadyExists(f"new sequence {new.seq_id} already exists")
-            new_ids.add(new.seq_id)
-            kv = self._executor(new.executor_id)
-            if len(new.prompt_token_ids) == 0:
-                raise InvalidArgument(f"new sequence {new.seq_id}: empty prompt")
-            if min(new.prompt_token_ids) < 0:
-                raise InvalidArgument(f"new sequence {new.seq_id}: token ids must be >= 0")
-            vocab = _vocab_bound(kv)
-            if max(new.prompt_token_ids) >= vocab:
-                raise InvalidArgument(f"new sequence {new.seq_id}: token id {max(new.prompt_token_ids)} "
-                                      f"outside the vocabulary ({vocab})")
-            if new.max_total_tokens < 0:
-                raise InvalidArgument(f"new sequence {new.seq_id}: max_total_tokens must be >= 0")
-            if new.prompt_block_hashes is not None and \
-                    len(new.prompt_block_hashes) > len(new.prompt_token_ids) // kv.block_size:
-                raise InvalidArgument(f"new sequence {new.seq_id}: {len(new.prompt_block_hashes)} prompt block "
-                                      f"hashes for {len(new.prompt_token_ids) // kv.block_size} full blocks")
-            if new.max_total_tokens and new.max_total_tokens < len(new.prompt_token_ids):
-                raise InvalidArgument(f"new sequence {new.seq_id}: max_total_tokens {new.max_total_tokens} is "
-                                      f"shorter than its prompt ({len(new.prompt_token_ids)} tokens)")
-        sids, nums = step.schedule_seq_ids, step.schedule_num_tokens
-        if len(sids) != len(nums):
-            raise InvalidArgument("schedule: seq_ids and num_tokens differ in length")
-        if len(set(sids)) != len(sids):
-            raise InvalidArgument("schedule: a sequence appears twice")
-        if nums and min(nums) < 1:
-            raise InvalidArgument("schedule: num_tokens must be >= 1")
-        appended = {seq_id: offs[i + 1] - offs[i] for i, seq_id in enumerate(ids)} if ids else {}
-        waiting = SeqStatus.WAITING
-        for seq_id in sids:
-            base = live.get(seq_id)
-            if base is None or seq_id in gone or seq_id in created:
-                if seq_id in new_ids:
-                    continue
-                if not alive(seq_id):
-                    raise self._missing(seq_id, "schedule")
-                base = live[self._origin(seq_id, created)]
-            if base.status is not waiting:
-                remaining = base.num_tokens + appended.get(seq_id, 0) - base.num_computed
-                if remaining < 1:
-                    raise InvalidArgument(f"schedule: sequence {seq_id} has no token left to compute "
-                                          "(append the sampled token first)")
-
-    def _origin(self, seq_id: int, created: dict[int, int]) -> int:
-        """The live sequence whose tokens seq_id holds before this step's appends
-        (itself, or the ancestor a fork in this step copied)."""
-        while seq_id not in self.seqs:
-            seq_id = created[seq_id]
-        return seq_id
 
     def _token_limit(self, seq: Sequence) -> int:
         spec = self.executors[seq.executor_id].spec
@@ -240,7 +107,7 @@ class MemoryManager:
             return self._last_output  # a retried step: same plan, no second application
         if step.step_id and step.step_id < self.last_step_id:
             raise FailedPrecondition(f"step {step.step_id} is older than the last step {self.last_step_id}")
-        self._validate(step)
+        self.validator.check(step)
         out = StepOutput(step.step_id)
 
         for parent_id, children in step.forks:
@@ -258,7 +125,7 @@ class MemoryManager:
             if rejection is not None:
                 out.rejected.append(rejection)
                 rejected.add(new.seq_id)
-        self._schedule(step, out, rejected)
+        self.planner.plan(step, out, rejected)
         if step.step_id:
             self.last_step_id = step.step_id
             self._last_output = out
@@ -284,7 +151,7 @@ class MemoryManager:
             seq.block_hashes = list(new.prompt_block_hashes)  # computed once, by the router
         self.seqs[new.seq_id] = seq
         kv.seq_ids.add(new.seq_id)
-        self._freed.pop(new.seq_id, None)
+        self.validator.forget_freed(new.seq_id)
         return None
 
     def _fork(self, parent_id: int, children: Iterable[int]) -> int:
@@ -300,180 +167,28 @@ class MemoryManager:
             shared += kv.fork(parent, child)
             self.seqs[child_id] = child
             kv.seq_ids.add(child_id)
-            self._freed.pop(child_id, None)
+            self.validator.forget_freed(child_id)
         return shared
 
     def _free(self, seq_id: int) -> int:
         seq = self.seqs.pop(seq_id)
         kv = self.executors[seq.executor_id]
         kv.seq_ids.discard(seq_id)
-        self._remember_freed(seq_id)
+        self.validator.remember_freed(seq_id)
         return kv.release(seq)
-
-    def _schedule(self, step: StepInput, out: StepOutput, rejected: set[int]) -> None:
-        seqs = self.seqs
-        done: set[int] = set()          # handled in this step (scheduled or given up)
-        preempted: set[int] = set()
-        admission_closed: set[str] = set()
-        # executor -> (seq, start, k, prefix hit reported: on the first admission only)
-        plans: dict[str, list[tuple[Sequence, int, int, int]]] = {}
-
-        executors = self.executors
-        running = SeqStatus.RUNNING
-        kv = None
-        rows = None
-        for seq_id, k in zip(step.schedule_seq_ids, step.schedule_num_tokens):
-            if seq_id in rejected:
-                continue
-            seq = seqs[seq_id]
-            done.add(seq_id)
-            if preempted and seq_id in preempted:
-                out.unscheduled.append(seq_id)
-                continue
-            if kv is None or kv.spec.executor_id != seq.executor_id:
-                kv = executors[seq.executor_id]
-                rows = plans.setdefault(seq.executor_id, [])
-            status = seq.status
-            if status is running:
-                start = seq.num_computed
-                remaining = len(seq.token_ids) - start  # >= 1, validated
-                if k > remaining:
-                    k = remaining
-                if kv.allocate_slots(seq, k):  # the common case: no preemption
-                    rows.append((seq, start, k, 0))
-                    kv.commit(seq, k)
-                    continue
-                while not kv.allocate_slots(seq, k):
-                    victim = self.victim_policy.select(
-                        [s for s in (seqs[i] for i in kv.seq_ids)
-                         if s.status is SeqStatus.RUNNING and (s.seq_id not in done or s is seq)])
-                    self._preempt(victim, kv, out, preempted)
-                    if victim is seq:
-                        break
-                else:
-                    plans.setdefault(kv.spec.executor_id, []).append((seq, start, k, 0))
-                    kv.commit(seq, k)
-                    continue
-                out.unscheduled.append(seq_id)
-            elif status is SeqStatus.SWAPPED:
-                k = min(k, seq.num_tokens - seq.num_computed)
-                if self._with_room(kv, seq, k, done, out, preempted, lambda: kv.swap_in(seq, k)):
-                    plans.setdefault(kv.spec.executor_id, []).append((seq, seq.num_computed, k, 0))
-                    kv.commit(seq, k)
-                else:
-                    out.unscheduled.append(seq_id)
-            else:  # WAITING: new, or preempted by recompute
-                if kv.spec.executor_id in admission_closed:
-                    out.unscheduled.append(seq_id)  # FCFS: no overtaking a request that did not fit
-                    continue
-                first = not seq.admitted
-                result: list = []
-
-                def admit() -> bool:
-                    r = kv.admit(seq, k, count_hits=first)
-                    if r is None:
-                        return False
-                    result.append(r)
-                    return True
-
-                if self._with_room(kv, seq, k, done, out, preempted, admit):
-                    num_hit, granted = result[0]
-                    if first:
-                        seq.admitted = True
-                        seq.num_cached_tokens = num_hit
-                    plans.setdefault(kv.spec.executor_id, []).append((seq, num_hit, granted, num_hit if first else 0))
-                    kv.commit(seq, granted)
-                else:
-                    out.unscheduled.append(seq_id)
-                    admission_closed.add(kv.spec.executor_id)
-
-        for executor_id, kv in self.executors.items():
-            rows = plans.get(executor_id)
-            ops = kv.take_ops()
-            if not rows and not ops:
-                continue
-            out.executor_plans.append(self._build_plan(kv, rows or [], ops))
-
-    def _with_room(self, kv: ExecutorKV, seq: Sequence, k: int, done: set[int], out: StepOutput,
-                   preempted: set[int], attempt) -> bool:
-        """Run attempt(); while it fails, preempt running sequences strictly less
-        important than seq (equal priorities never preempt for admission, so the
-        pool cannot thrash)."""
-        if attempt():
-            return True
-        need, hits = kv.room_needed(seq, k)
-        reused = set(hits)
-        while True:
-            candidates = [s for s in (self.seqs[i] for i in kv.seq_ids)
-                          if s.status is SeqStatus.RUNNING and s.seq_id not in done and s.priority > seq.priority]
-            if not candidates:
-                return False
-            # Preempt only when preempting every candidate could make room, so no
-            # one loses its blocks for nothing: count the blocks only candidates
-            # hold, less the cached hits the attempt takes back itself.
-            holders: dict[Block, int] = {}
-            for s in candidates:
-                for b in s.blocks:
-                    holders[b] = holders.get(b, 0) + 1
-            reclaimable = sum(1 for b, n in holders.items() if n == b.ref_cnt and b not in reused)
-            free = kv.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
-            if free + reclaimable < need:
-                return False
-            self._preempt(self.victim_policy.select(candidates), kv, out, preempted)
-            if attempt():
-                return True
-
-    def _preempt(self, victim: Sequence, kv: ExecutorKV, out: StepOutput, preempted: set[int]) -> None:
-        mode = self.mode_policy.choose(victim, kv.swap.num_free)
-        if mode is PreemptionMode.SWAP:
-            kv.preempt_swap(victim)
-        else:
-            kv.preempt_recompute(victim)
-        preempted.add(victim.seq_id)
-        out.preempted.append((victim.seq_id, mode))
-
-    def _build_plan(self, kv: ExecutorKV, rows: list[tuple[Sequence, int, int, int]], ops) -> ExecutorStepPlan:
-        plan = ExecutorStepPlan(kv.spec.executor_id, kv.spec.incarnation, ops=ops)
-        bs = kv.block_size
-        seq_ids, ctx, qlen = plan.seq_ids, plan.context_lens, plan.query_lens
-        offsets, tables, slots, cached = (plan.block_table_offsets, plan.block_tables, plan.slot_mapping,
-                                          plan.num_cached_tokens)
-        total = 0
-        for seq, start, k, num_cached in rows:
-            seq_ids.append(seq.seq_id)
-            ctx.append(start)
-            qlen.append(k)
-            cached.append(num_cached)
-            ids = seq.block_ids
-            tables.extend(ids)
-            total += len(ids)
-            offsets.append(total)
-            if k == 1:  # decode
-                slots.append(ids[start // bs] * bs + start % bs)
-                continue
-            blocks = seq.blocks
-            end = start + k
-            pos = start
-            while pos < end:  # one range per block touched
-                i, off = divmod(pos, bs)
-                n = min(bs - off, end - pos)
-                base = blocks[i].block_id * bs + off
-                slots.extend(range(base, base + n))
-                pos += n
-        return plan
 
     # ---- stand-alone operations ---------------------------------------------------
 
     def fork(self, parent_id: int, child_ids: list[int]) -> int:
-        self._validate(StepInput(forks=[(parent_id, child_ids)]))
+        self.validator.check(StepInput(forks=[(parent_id, child_ids)]))
         return self._fork(parent_id, child_ids)
 
     def free(self, seq_ids: Iterable[int], abort: bool = False) -> int:
         seq_ids = list(seq_ids)
         if abort:
-            self._validate(StepInput(abort_seq_ids=seq_ids))
+            self.validator.check(StepInput(abort_seq_ids=seq_ids))
         else:
-            self._validate(StepInput(free_seq_ids=seq_ids))
+            self.validator.check(StepInput(free_seq_ids=seq_ids))
         return sum(self._free(s) for s in seq_ids)
 
     # ---- prefix scoring -------------------------------------------------------------
@@ -521,7 +236,7 @@ class MemoryManager:
     def sequence(self, seq_id: int) -> Sequence:
         seq = self.seqs.get(seq_id)
         if seq is None:
-            raise self._missing(seq_id, "lookup")
+            raise self.validator.missing(seq_id, "lookup")
         return seq
 
 

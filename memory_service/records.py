@@ -10,7 +10,7 @@ import enum
 from array import array
 from dataclasses import dataclass, field
 
-from memory_service.kv_manager import CacheOpsBuilder
+from memory_service.changes import CacheOpsBuilder, TableChanges
 from memory_service.policy import PreemptionMode
 
 
@@ -44,15 +44,15 @@ class StepInput:
 
 @dataclass(slots=True)
 class ExecutorStepPlan:
+    """One executor's part of a step: its rows, what changed in its block
+    tables since its last plan, and the block moves before the forward."""
+
     executor_id: str
     incarnation: int
-    seq_ids: array = field(default_factory=lambda: array("q"))
-    context_lens: array = field(default_factory=lambda: array("i"))
-    query_lens: array = field(default_factory=lambda: array("i"))
-    block_table_offsets: array = field(default_factory=lambda: array("i", [0]))
-    block_tables: array = field(default_factory=lambda: array("i"))
-    slot_mapping: array = field(default_factory=lambda: array("i"))
-    num_cached_tokens: array = field(default_factory=lambda: array("i"))
+    table_epoch: int
+    seq_ids: array = field(default_factory=lambda: array("q"))     # the rows, in allocation order
+    query_lens: array = field(default_factory=lambda: array("i"))  # tokens each computes now
+    tables: TableChanges = field(default_factory=TableChanges)
     ops: CacheOpsBuilder = field(default_factory=CacheOpsBuilder)
 
 

@@ -35,6 +35,7 @@ class Sequence:
     num_cached_tokens: int = 0      # prefix hit at first admission (usage report)
     num_prompt_tokens: int = 0
     token_limit: int = 0            # most tokens it may ever hold (context, pool, max_total_tokens)
+    on_executor: bool = False       # the executor holds a table for it (started or forked, not dropped since)
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ status codes. Nothing here decides anything.
 from __future__ import annotations
 
 import asyncio
+from array import array
 import time
 
 from kvpager.errors import InvalidArgument
@@ -14,7 +15,8 @@ from kvpager.packed import array_bytes, unpack_i32, unpack_i64
 from kvpager.prefix_index.hashing import DIGEST_BYTES, unpack_hashes
 from kvpager.v1 import common_pb2, memory_pb2, memory_pb2_grpc
 from memory_service.accounting import PoolAccounting
-from memory_service.kv_manager import CacheOpsBuilder, ExecutorSpec
+from memory_service.changes import CacheOpsBuilder, TableChanges
+from memory_service.kv_manager import ExecutorSpec
 from memory_service.policy import PreemptionMode
 from memory_service.records import NewSeq, RejectionReason, StepInput, StepOutput
 from memory_service.service_state import MemoryState
@@ -73,8 +75,6 @@ def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
 
 
 def _ops_to_proto(ops: CacheOpsBuilder) -> common_pb2.CacheOps:
-    from array import array
-
     def b(values: list[int]) -> bytes:
         return array_bytes(array("i", values)) if values else b""
 
@@ -83,17 +83,34 @@ def _ops_to_proto(ops: CacheOpsBuilder) -> common_pb2.CacheOps:
                                swap_in_src=b(ops.swap_in_src), swap_in_dst=b(ops.swap_in_dst))
 
 
-def plan_to_proto(out: StepOutput) -> memory_pb2.StepPlan:
-    from array import array
+def _tables_to_proto(t: TableChanges) -> common_pb2.TableChanges:
+    msg = common_pb2.TableChanges(forks=[common_pb2.ForkOp(parent_seq_id=p, child_seq_ids=c) for p, c in t.forks])
+    if t.dropped:
+        msg.dropped_seq_ids = array_bytes(t.dropped)
+    if t.started_seq_ids:
+        msg.started_seq_ids = array_bytes(t.started_seq_ids)
+        msg.started_context_lens = array_bytes(t.started_context_lens)
+        msg.started_offsets = array_bytes(t.started_offsets)
+        msg.started_block_ids = array_bytes(t.started_block_ids)
+    if t.extended_seq_ids:
+        msg.extended_seq_ids = array_bytes(t.extended_seq_ids)
+        msg.extended_first_index = array_bytes(t.extended_first_index)
+        msg.extended_offsets = array_bytes(t.extended_offsets)
+        msg.extended_block_ids = array_bytes(t.extended_block_ids)
+    return msg
 
+
+def plan_to_proto(out: StepOutput) -> memory_pb2.StepPlan:
     plan = memory_pb2.StepPlan(step_id=out.step_id)
     for p in out.executor_plans:
-        plan.executor_plans.append(memory_pb2.ExecutorPlan(
-            executor_id=p.executor_id, incarnation=p.incarnation,
-            seq_ids=array_bytes(p.seq_ids), context_lens=array_bytes(p.context_lens),
-            query_lens=array_bytes(p.query_lens), block_table_offsets=array_bytes(p.block_table_offsets),
-            block_tables=array_bytes(p.block_tables), slot_mapping=array_bytes(p.slot_mapping),
-            cache_ops=_ops_to_proto(p.ops), num_cached_tokens=array_bytes(p.num_cached_tokens)))
+        ep = plan.executor_plans.add(executor_id=p.executor_id, incarnation=p.incarnation, table_epoch=p.table_epoch,
+                                     seq_ids=array_bytes(p.seq_ids), query_lens=array_bytes(p.query_lens))
+        if p.tables:
+            ep.tables.CopyFrom(_tables_to_proto(p.tables))
+            if p.tables.started_seq_ids:
+                ep.started_cached_tokens = array_bytes(p.tables.started_cached_tokens)
+        if p.ops:
+            ep.cache_ops.CopyFrom(_ops_to_proto(p.ops))
     for seq_id, mode in out.preempted:
         plan.preempted.add(seq_id=seq_id, mode=_MODES[mode])
     if out.unscheduled:

@@ -2,8 +2,8 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -112,3 +112,55 @@ class TokenBatch(_message.Message):
     offsets: bytes
     token_ids: bytes
     def __init__(self, seq_ids: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+
+class ForkOp(_message.Message):
+    __slots__ = ("parent_seq_id", "child_seq_ids")
+    PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    parent_seq_id: int
+    child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, parent_seq_id: _Optional[int] = ..., child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TableChanges(_message.Message):
+    __slots__ = ("forks", "dropped_seq_ids", "started_seq_ids", "started_context_lens", "started_offsets", "started_block_ids", "extended_seq_ids", "extended_first_index", "extended_offsets", "extended_block_ids")
+    FORKS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTENDED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTENDED_FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EXTENDED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    EXTENDED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    forks: _containers.RepeatedCompositeFieldContainer[ForkOp]
+    dropped_seq_ids: bytes
+    started_seq_ids: bytes
+    started_context_lens: bytes
+    started_offsets: bytes
+    started_block_ids: bytes
+    extended_seq_ids: bytes
+    extended_first_index: bytes
+    extended_offsets: bytes
+    extended_block_ids: bytes
+    def __init__(self, forks: _Optional[_Iterable[_Union[ForkOp, _Mapping]]] = ..., dropped_seq_ids: _Optional[bytes] = ..., started_seq_ids: _Optional[bytes] = ..., started_context_lens: _Optional[bytes] = ..., started_offsets: _Optional[bytes] = ..., started_block_ids: _Optional[bytes] = ..., extended_seq_ids: _Optional[bytes] = ..., extended_first_index: _Optional[bytes] = ..., extended_offsets: _Optional[bytes] = ..., extended_block_ids: _Optional[bytes] = ...) -> None: ...
+
+class ExecutorPlan(_message.Message):
+    __slots__ = ("executor_id", "incarnation", "table_epoch", "seq_ids", "query_lens", "tables", "cache_ops", "started_cached_tokens")
+    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_OPS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    executor_id: str
+    incarnation: int
+    table_epoch: int
+    seq_ids: bytes
+    query_lens: bytes
+    tables: TableChanges
+    cache_ops: CacheOps
+    started_cached_tokens: bytes
+    def __init__(self, executor_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., table_epoch: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., tables: _Optional[_Union[TableChanges, _Mapping]] = ..., cache_ops: _Optional[_Union[CacheOps, _Mapping]] = ..., started_cached_tokens: _Optional[bytes] = ...) -> None: ...

@@ -26,30 +26,20 @@ class SamplingBatch(_message.Message):
     def __init__(self, num_samples: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., num_top_logprobs: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "incarnation", "cache_ops", "seq_ids", "context_lens", "query_lens", "token_ids", "block_table_offsets", "block_tables", "slot_mapping", "sampling")
+    __slots__ = ("step_id", "incarnation", "plan", "context_lens", "token_ids", "sampling")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
-    CACHE_OPS_FIELD_NUMBER: _ClassVar[int]
-    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
-    QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TABLE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
-    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     incarnation: int
-    cache_ops: _common_pb2.CacheOps
-    seq_ids: bytes
+    plan: _common_pb2.ExecutorPlan
     context_lens: bytes
-    query_lens: bytes
     token_ids: bytes
-    block_table_offsets: bytes
-    block_tables: bytes
-    slot_mapping: bytes
     sampling: SamplingBatch
-    def __init__(self, step_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., cache_ops: _Optional[_Union[_common_pb2.CacheOps, _Mapping]] = ..., seq_ids: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., block_table_offsets: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.ExecutorPlan, _Mapping]] = ..., context_lens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_offsets", "top_token_ids", "top_logprobs", "forward_s", "sample_s", "cache_ops_s")

@@ -105,14 +105,6 @@ class NewSequence(_message.Message):
     prompt_block_hashes: bytes
     def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ...) -> None: ...
 
-class ForkOp(_message.Message):
-    __slots__ = ("parent_seq_id", "child_seq_ids")
-    PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
-    parent_seq_id: int
-    child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, parent_seq_id: _Optional[int] = ..., child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "appended", "forks", "free_seq_ids", "abort_seq_ids", "new_sequences", "schedule_seq_ids", "schedule_num_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -125,37 +117,13 @@ class StepRequest(_message.Message):
     SCHEDULE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     appended: _common_pb2.TokenBatch
-    forks: _containers.RepeatedCompositeFieldContainer[ForkOp]
+    forks: _containers.RepeatedCompositeFieldContainer[_common_pb2.ForkOp]
     free_seq_ids: bytes
     abort_seq_ids: bytes
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     schedule_seq_ids: bytes
     schedule_num_tokens: bytes
-    def __init__(self, step_id: _Optional[int] = ..., appended: _Optional[_Union[_common_pb2.TokenBatch, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[ForkOp, _Mapping]]] = ..., free_seq_ids: _Optional[bytes] = ..., abort_seq_ids: _Optional[bytes] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., schedule_seq_ids: _Optional[bytes] = ..., schedule_num_tokens: _Optional[bytes] = ...) -> None: ...
-
-class ExecutorPlan(_message.Message):
-    __slots__ = ("executor_id", "incarnation", "seq_ids", "context_lens", "query_lens", "block_table_offsets", "block_tables", "slot_mapping", "cache_ops", "num_cached_tokens")
-    EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
-    INCARNATION_FIELD_NUMBER: _ClassVar[int]
-    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
-    CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
-    QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TABLE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
-    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
-    CACHE_OPS_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    executor_id: str
-    incarnation: int
-    seq_ids: bytes
-    context_lens: bytes
-    query_lens: bytes
-    block_table_offsets: bytes
-    block_tables: bytes
-    slot_mapping: bytes
-    cache_ops: _common_pb2.CacheOps
-    num_cached_tokens: bytes
-    def __init__(self, executor_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., block_table_offsets: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., cache_ops: _Optional[_Union[_common_pb2.CacheOps, _Mapping]] = ..., num_cached_tokens: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., appended: _Optional[_Union[_common_pb2.TokenBatch, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[_common_pb2.ForkOp, _Mapping]]] = ..., free_seq_ids: _Optional[bytes] = ..., abort_seq_ids: _Optional[bytes] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., schedule_seq_ids: _Optional[bytes] = ..., schedule_num_tokens: _Optional[bytes] = ...) -> None: ...
 
 class Preemption(_message.Message):
     __slots__ = ("seq_id", "mode")
@@ -183,17 +151,17 @@ class StepPlan(_message.Message):
     UNSCHEDULED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    executor_plans: _containers.RepeatedCompositeFieldContainer[ExecutorPlan]
+    executor_plans: _containers.RepeatedCompositeFieldContainer[_common_pb2.ExecutorPlan]
     preempted: _containers.RepeatedCompositeFieldContainer[Preemption]
     unscheduled_seq_ids: bytes
     rejected: _containers.RepeatedCompositeFieldContainer[Rejection]
-    def __init__(self, step_id: _Optional[int] = ..., executor_plans: _Optional[_Iterable[_Union[ExecutorPlan, _Mapping]]] = ..., preempted: _Optional[_Iterable[_Union[Preemption, _Mapping]]] = ..., unscheduled_seq_ids: _Optional[bytes] = ..., rejected: _Optional[_Iterable[_Union[Rejection, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., executor_plans: _Optional[_Iterable[_Union[_common_pb2.ExecutorPlan, _Mapping]]] = ..., preempted: _Optional[_Iterable[_Union[Preemption, _Mapping]]] = ..., unscheduled_seq_ids: _Optional[bytes] = ..., rejected: _Optional[_Iterable[_Union[Rejection, _Mapping]]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("fork",)
     FORK_FIELD_NUMBER: _ClassVar[int]
-    fork: ForkOp
-    def __init__(self, fork: _Optional[_Union[ForkOp, _Mapping]] = ...) -> None: ...
+    fork: _common_pb2.ForkOp
+    def __init__(self, fork: _Optional[_Union[_common_pb2.ForkOp, _Mapping]] = ...) -> None: ...
 
 class ForkResponse(_message.Message):
     __slots__ = ("shared_blocks",)

@@ -60,40 +60,53 @@ def _model_dir(name: str) -> Path:
     return Path(name)
 
 
-def _decode_step(step_id: int, batch: int, ctx: int, block_size: int):
-    """StepInput of ``batch`` decodes at position ``ctx``; sequence i owns blocks [i*nb, (i+1)*nb)."""
+def _start_step(step_id: int, batch: int, ctx: int, num_blocks_each: int, epoch: int):
+    """StepInput that starts ``batch`` sequences with ``ctx`` tokens in cache and no rows:
+    sequence i owns blocks [i*nb, (i+1)*nb) (the executor keeps the tables from here on)."""
+    import numpy as np
+
+    from executor_service.step import StepInput
+    from executor_service.tables import TableChanges
+
+    nb = num_blocks_each
+    seqs = np.arange(batch)
+    tables = (seqs[:, None] * nb + np.arange(nb)[None, :]).astype(np.int32)  # [B, nb]
+    return StepInput(
+        step_id=step_id, seq_ids=np.zeros(0, np.int64), query_lens=np.zeros(0, np.int32),
+        token_ids=np.zeros(0, np.int32), table_epoch=epoch,
+        tables=TableChanges(started_seq_ids=seqs.astype(np.int64), started_context_lens=np.full(batch, ctx, np.int32),
+                            started_offsets=(np.arange(batch + 1) * nb).astype(np.int32),
+                            started_block_ids=tables.reshape(-1)))
+
+
+def _decode_step(step_id: int, batch: int, ctx: int, epoch: int):
+    """StepInput of ``batch`` decodes at position ``ctx`` (no table changes: a decode inside a block)."""
     import numpy as np
 
     from executor_service.step import StepInput
 
-    nb = -(-(ctx + 1) // block_size)
     seqs = np.arange(batch)
-    tables = (seqs[:, None] * nb + np.arange(nb)[None, :]).astype(np.int32)  # [B, nb]
-    slots = tables[:, ctx // block_size] * block_size + ctx % block_size
     return StepInput(
-        step_id=step_id,
-        seq_ids=seqs.astype(np.int64),
-        context_lens=np.full(batch, ctx, np.int32),
-        query_lens=np.ones(batch, np.int32),
-        token_ids=((seqs * 7919 + step_id) % 250 + 3).astype(np.int32),
-        block_table_offsets=(np.arange(batch + 1) * nb).astype(np.int32),
-        block_tables=tables.reshape(-1),
-        slot_mapping=slots.astype(np.int32),
-    )
+        step_id=step_id, seq_ids=seqs.astype(np.int64), query_lens=np.ones(batch, np.int32),
+        token_ids=((seqs * 7919 + step_id) % 250 + 3).astype(np.int32), table_epoch=epoch,
+        context_lens=np.full(batch, ctx, np.int32))
 
 
 def _to_proto(step):
-    from kvpager.v1 import executor_pb2
+    from kvpager.v1 import common_pb2, executor_pb2
 
+    t = step.tables
+    tables = common_pb2.TableChanges(
+        started_seq_ids=t.started_seq_ids.astype("<i8").tobytes(),
+        started_context_lens=t.started_context_lens.astype("<i4").tobytes(),
+        started_offsets=t.started_offsets.astype("<i4").tobytes(),
+        started_block_ids=t.started_block_ids.astype("<i4").tobytes())
     return executor_pb2.ExecuteRequest(
         step_id=step.step_id,
-        seq_ids=step.seq_ids.astype("<i8").tobytes(),
-        context_lens=step.context_lens.astype("<i4").tobytes(),
-        query_lens=step.query_lens.astype("<i4").tobytes(),
+        plan=common_pb2.ExecutorPlan(table_epoch=step.table_epoch, seq_ids=step.seq_ids.astype("<i8").tobytes(),
+                                     query_lens=step.query_lens.astype("<i4").tobytes(), tables=tables),
+        context_lens=step.context_lens.astype("<i4").tobytes() if step.context_lens is not None else b"",
         token_ids=step.token_ids.astype("<i4").tobytes(),
-        block_table_offsets=step.block_table_offsets.astype("<i4").tobytes(),
-        block_tables=step.block_tables.astype("<i4").tobytes(),
-        slot_mapping=step.slot_mapping.astype("<i4").tobytes(),
     )
 
 
@@ -116,7 +129,8 @@ def bench_model(name: str, args, batch_sizes: list[int]) -> dict:
     from executor_service.executor import Executor
 
     path = _model_dir(name)
-    blocks_per_seq = -(-(args.context_len + 1) // args.block_size)
+    steps_each = 2 * (args.warmup + args.repeats)  # in process, then over gRPC
+    blocks_per_seq = -(-(args.context_len + steps_each + 1) // args.block_size)
     cfg = ExecutorConfig(model=str(path), executor_id=f"bench-{Path(name).name}", block_size=args.block_size,
                          num_blocks=max(batch_sizes) * blocks_per_seq, swap_blocks=0, device=args.device,
                          dtype=args.dtype, attention_backend=args.attention_backend)
@@ -137,9 +151,15 @@ def bench_model(name: str, args, batch_sizes: list[int]) -> dict:
 
     rows = []
     try:
-        for batch in batch_sizes:
-            step = _decode_step(1, batch, args.context_len, args.block_size)
-            in_s, outs = _median_s(lambda: executor.execute(step), args.repeats, args.warmup)
+        for epoch, batch in enumerate(batch_sizes, start=1):
+            # Decodes from context_len on: each step one token further, tables kept by the executor.
+            executor.execute(_start_step(0, batch, args.context_len, blocks_per_seq, epoch))
+            position = iter(range(args.context_len, args.context_len + steps_each))
+
+            def decode():
+                return _decode_step(1, batch, next(position), epoch)
+
+            in_s, outs = _median_s(lambda: executor.execute(decode()), args.repeats, args.warmup)
             row = {
                 "batch_size": batch,
                 "in_process_step_s": in_s,
@@ -149,7 +169,7 @@ def bench_model(name: str, args, batch_sizes: list[int]) -> dict:
             }
             if stub is not None:
                 def call():
-                    return stub.Execute(_to_proto(step), timeout=600)
+                    return stub.Execute(_to_proto(decode()), timeout=600)
 
                 rpc_s, _ = _median_s(call, args.repeats, args.warmup)
                 row.update(grpc_step_s=rpc_s, grpc_tokens_per_s=batch / rpc_s, grpc_overhead_s=rpc_s - in_s)

@@ -19,6 +19,12 @@ sequences. Over that window, from the services' own Prometheus timers:
   gateway_other_us (applying results, streaming, the loop);
 * as a multiple of echo_us, a bare unary gRPC call (grpc.health Check on the
   memory service) timed from this process in the same run.
+
+``control_plane``: the same decode step's two RPCs alone (a Step and an
+Execute driven from this process, no streams; kvpager_tools.bench.control_plane)
+for B = --batches at each context of --contexts: microseconds per step, as a
+multiple of two echoes, and the bytes of every message (``bytes_per_step`` is
+the plan's).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from kvpager_tools.bench import common as bc
 
 NAME = "overhead"
 BATCHES = (1, 8, 32, 128, 256)
+CONTEXTS = (64, 2048)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +51,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="windows per batch size; medians are reported")
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
+                   help="control plane: contexts (tokens per sequence) to step at; '' skips it")
+    p.add_argument("--control-steps", type=int, default=24, help="control plane: decode steps per (batch, context)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
 
@@ -123,14 +133,21 @@ async def decode_window(gateway: str, ports: dict[str, int], batch: int, prompt_
             - per(t["execute_handler_other"] + t["execute_rpc_other"])}
 
 
-def measure(model: str, batches: list[int], prompt_len: int, output_len: int, repeats: int, stack=None) -> dict:
+def measure(model: str, batches: list[int], prompt_len: int, output_len: int, repeats: int, stack=None,
+            contexts: list[int] = (), control_steps: int = 24) -> dict:
     """``stack``: a running kvpager_tools.stack.Stack with metrics on, max_running and
-    max_batch_tokens large enough for the largest batch (else one is started)."""
+    max_batch_tokens large enough for the largest batch, and a pool for the
+    contexts' prefixes (else one is started)."""
+    from kvpager_tools.bench import control_plane
+
     lo, hi = bc.token_range(model)
     max_batch = max(batches)
+    windows_blocks = max_batch * (-(-(prompt_len + output_len + 1) // 16) + 1) + 64
+    # control plane: one shared prefix per context + ~3 private blocks per sequence
+    control_blocks = max((-(-c // 16) + 4 * max_batch for c in contexts), default=0) + 64
     opts = bc.StackOptions(model=model, metrics=True, max_running=max(max_batch, 64),
                            max_batch_tokens=max(512, max_batch * prompt_len),
-                           num_blocks=max_batch * (-(-(prompt_len + output_len + 1) // 16) + 1) + 64)
+                           num_blocks=max(windows_blocks, control_blocks))
     rows = []
     with (bc.embedded_stack(opts) if stack is None else contextlib.nullcontext(stack)) as stack:
         a = stack.addresses
@@ -154,8 +171,13 @@ def measure(model: str, batches: list[int], prompt_len: int, output_len: int, re
                 row["overhead_x_echo"] = round(med["overhead_us"] / echo, 2)
                 row["overhead_fraction"] = round(med["overhead_us"] / med["period_us"], 3)
             rows.append(row)
+        control = []
+        if contexts:
+            bc.progress(NAME, f"control plane: batches {batches} x contexts {list(contexts)}")
+            control = control_plane.measure(a.memory, a.executors[0], batches, list(contexts),
+                                            decode_steps=control_steps, token_lo=lo, token_hi=hi)
     return {"benchmark": NAME, "model": model, "prompt_len": prompt_len, "output_len": output_len,
-            "repeats": repeats, "batches": rows}
+            "repeats": repeats, "batches": rows, "control_plane": control}
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -163,7 +185,8 @@ def _main(args: argparse.Namespace) -> int:
 
     model = str(bc.model_dir(args.model))
     result = measure(model, [int(b) for b in args.batches.split(",")], args.prompt_len, args.output_len,
-                     args.repeats)
+                     args.repeats, contexts=[int(c) for c in args.contexts.split(",") if c],
+                     control_steps=args.control_steps)
     result["machine"] = machine()
     result["command"] = " ".join(["kvpager", *sys.argv[1:]])
     print(json.dumps(result, indent=None if args.json else 2))

@@ -188,7 +188,7 @@ def _memory_strategy(vocab: int):
                                                offsets=draw(st.binary(max_size=9)),
                                                token_ids=draw(st.binary(max_size=9))) if draw(st.booleans())
                     else None)
-        forks = [memory_pb2.ForkOp(parent_seq_id=draw(seq), child_seq_ids=draw(st.lists(seq, max_size=3)))
+        forks = [common_pb2.ForkOp(parent_seq_id=draw(seq), child_seq_ids=draw(st.lists(seq, max_size=3)))
                  for _ in range(draw(st.integers(0, 1)))]
         return memory_pb2.StepRequest(
             step_id=0, appended=appended, forks=forks,
@@ -201,7 +201,7 @@ def _memory_strategy(vocab: int):
             st.tuples(st.just("Step"), step(executor_id)),
             st.tuples(st.just("Step"), step(executor_id)),
             st.tuples(st.just("Fork"), st.builds(lambda p, c: memory_pb2.ForkRequest(
-                fork=memory_pb2.ForkOp(parent_seq_id=p, child_seq_ids=c)), seq, st.lists(seq, max_size=3))),
+                fork=common_pb2.ForkOp(parent_seq_id=p, child_seq_ids=c)), seq, st.lists(seq, max_size=3))),
             st.tuples(st.just("Free"), st.builds(lambda ids, abort: memory_pb2.FreeRequest(seq_ids=ids, abort=abort),
                                                  st.lists(seq, max_size=3), st.booleans())),
             st.tuples(st.just("ScorePrefix"), st.builds(

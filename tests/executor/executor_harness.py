@@ -1,8 +1,10 @@
 """Shared helpers of the executor tests (fixtures live in conftest.py).
 
 * ``Plan`` is a tiny stand-in for the memory service: a block allocator with
-  refcounts and a step builder that fills context_lens / query_lens / block
-  tables / slot mappings from per-sequence state.
+  refcounts and a step builder that sends, from per-sequence state, what the
+  executor's tables need: a start (whole table, tokens in cache) for a
+  sequence it does not hold as the test now has it, an extend when only the
+  table grew or its tail was replaced, a fork op, drops.
 * ``Oracle`` is transformers' own ``generate(do_sample=False)`` on the same
   checkpoint, fp32, eager attention.
 * ``LoopThread`` runs the session's gRPC servers on one background loop.
@@ -149,11 +151,20 @@ class Plan:
     """Builds ExecuteRequests from per-sequence state and applies results."""
 
     def __init__(self, served: Served, block_size: int = BLOCK_SIZE) -> None:
+        import random
+
         self.served = served
+        # A Plan is one memory-service registration of the pool: its own epoch voids
+        # the tables an earlier Plan (test) left in this (shared) executor.
+        self.epoch = random.getrandbits(62) + 1
         self.block_size = block_size
         self.alloc = Allocator(served.info.num_blocks)
         self.step_id = 0
         self._next_seq = 1
+        # What the executor holds, as of the last successful step: seq_id -> (table, computed).
+        self.sent: dict[int, tuple[list[int], int]] = {}
+        self._drops: list[int] = []
+        self._forks: list[tuple[int, list[int]]] = []
 
     def new_seq(self, prompt: list[int], **kw) -> Seq:
         seq = Seq(self._next_seq, list(prompt), **kw)
@@ -165,22 +176,62 @@ class Plan:
         while len(seq.blocks) < need:
             seq.blocks.append(self.alloc.alloc())
 
+    def fork(self, parent: Seq, child: Seq) -> None:
+        """child shares every block of parent (refcount++), as the memory service's fork;
+        the executor is told with a fork op in the next request."""
+        child.blocks = list(parent.blocks)
+        for blk in child.blocks:
+            self.alloc.share(blk)
+        child.num_computed = parent.num_computed
+        self._forks.append((parent.seq_id, [child.seq_id]))
+
+    def table_changes(self, items) -> common_pb2.TableChanges:
+        """Forks and drops so far, then per item a start (the executor does not
+        hold the sequence as it is now) or an extend (its table changed)."""
+        sent = dict(self.sent)
+        for parent, children in self._forks:
+            for child in children:
+                if parent in sent:
+                    sent[child] = sent[parent]
+        for seq_id in self._drops:
+            sent.pop(seq_id, None)
+        started = ([], [], [0], [])   # ids, context lens, offsets, blocks
+        extended = ([], [], [0], [])  # ids, first index, offsets, blocks
+        for seq, _ in items:
+            have = sent.get(seq.seq_id)
+            if have is None or have[1] != seq.num_computed:
+                ids, ctx, offs, blocks = started
+                ids.append(seq.seq_id)
+                ctx.append(seq.num_computed)
+                blocks.extend(seq.blocks)
+                offs.append(len(blocks))
+            elif have[0] != seq.blocks:
+                first = next((i for i, (a, b) in enumerate(zip(have[0], seq.blocks)) if a != b),
+                             min(len(have[0]), len(seq.blocks)))
+                ids, firsts, offs, blocks = extended
+                ids.append(seq.seq_id)
+                firsts.append(first)
+                blocks.extend(seq.blocks[first:])
+                offs.append(len(blocks))
+        return common_pb2.TableChanges(
+            forks=[common_pb2.ForkOp(parent_seq_id=p, child_seq_ids=c) for p, c in self._forks],
+            dropped_seq_ids=packed.pack_i64(self._drops),
+            started_seq_ids=packed.pack_i64(started[0]), started_context_lens=packed.pack_i32(started[1]),
+            started_offsets=packed.pack_i32(started[2]), started_block_ids=packed.pack_i32(started[3]),
+            extended_seq_ids=packed.pack_i64(extended[0]), extended_first_index=packed.pack_i32(extended[1]),
+            extended_offsets=packed.pack_i32(extended[2]), extended_block_ids=packed.pack_i32(extended[3]))
+
     def request(self, items, *, cache_ops=None, return_logprobs=False, num_top_logprobs=None,
                 num_samples=None, seeds=None, incarnation=0) -> executor_pb2.ExecuteRequest:
         """items: [(seq, num_tokens)] computed now; sequences sample 1 token
         when the chunk reaches the end of their known tokens, else 0."""
-        bs = self.block_size
-        ctx, qlens, toks, tables, offsets, slots, samples, temps, top_ps, top_ks, seed_list = (
-            [], [], [], [], [0], [], [], [], [], [], [])
+        ctx, qlens, toks, samples, temps, top_ps, top_ks, seed_list = [], [], [], [], [], [], [], []
         for i, (seq, q) in enumerate(items):
             start = seq.num_computed
             self.ensure_blocks(seq, start + q)
             ctx.append(start)
             qlens.append(q)
             toks.extend(seq.tokens[start:start + q])
-            slots.extend(seq.blocks[p // bs] * bs + p % bs for p in range(start, start + q))
-            tables.extend(seq.blocks)
-            offsets.append(len(tables))
             n = (1 if start + q == len(seq.tokens) else 0) if num_samples is None else num_samples[i]
             samples.append(n)
             temps.append(seq.temperature)
@@ -198,24 +249,31 @@ class Plan:
         )
         if num_top_logprobs is not None:
             sampling.num_top_logprobs = packed.pack_i32(num_top_logprobs)
-        return executor_pb2.ExecuteRequest(
-            step_id=self.step_id,
-            incarnation=incarnation,
-            cache_ops=cache_ops or common_pb2.CacheOps(),
-            seq_ids=packed.pack_i64(seq.seq_id for seq, _ in items),
-            context_lens=packed.pack_i32(ctx),
-            query_lens=packed.pack_i32(qlens),
-            token_ids=packed.pack_i32(toks),
-            block_table_offsets=packed.pack_i32(offsets),
-            block_tables=packed.pack_i32(tables),
-            slot_mapping=packed.pack_i32(slots),
-            sampling=sampling,
-        )
+        plan = common_pb2.ExecutorPlan(
+            executor_id=self.served.info.executor_id, table_epoch=self.epoch,
+            seq_ids=packed.pack_i64(seq.seq_id for seq, _ in items), query_lens=packed.pack_i32(qlens),
+            tables=self.table_changes(items), cache_ops=cache_ops or common_pb2.CacheOps())
+        return executor_pb2.ExecuteRequest(step_id=self.step_id, incarnation=incarnation, plan=plan,
+                                           context_lens=packed.pack_i32(ctx), token_ids=packed.pack_i32(toks),
+                                           sampling=sampling)
+
+    def sent_tables(self, req: executor_pb2.ExecuteRequest, items) -> None:
+        """The executor applied req: remember what it holds now."""
+        for parent, children in self._forks:
+            for child in children:
+                if parent in self.sent:
+                    self.sent[child] = self.sent[parent]
+        for seq_id in self._drops:
+            self.sent.pop(seq_id, None)
+        self._forks, self._drops = [], []
+        for seq, q in items:
+            self.sent[seq.seq_id] = (list(seq.blocks), seq.num_computed + q)
 
     def step(self, items, **kw) -> executor_pb2.ExecuteResponse:
         """Run one step and apply it: computed counts advance, sampled tokens append."""
         req = self.request(items, **kw)
         resp = self.served.stub.Execute(req, timeout=120)
+        self.sent_tables(req, items)
         sampled = list(packed.unpack_i32(resp.sampled_token_ids))
         nums = list(packed.unpack_i32(req.sampling.num_samples))
         pos = 0
@@ -236,6 +294,7 @@ class Plan:
     def free(self, seq: Seq) -> None:
         self.alloc.release(seq.blocks)
         seq.blocks = []
+        self._drops.append(seq.seq_id)
 
 
 def prompts(n: int, lengths, vocab: int = 300, seed: int = 0) -> list[list[int]]:

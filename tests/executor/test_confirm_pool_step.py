@@ -35,8 +35,9 @@ def test_confirm_pool_reports_the_last_applied_step(serve, monkeypatch):
     served.stub.Execute(req, timeout=30)
     assert _confirm(served).last_step_id == 1_000_007
 
-    ops_only = executor_pb2.ExecuteRequest(step_id=1_000_009, cache_ops=common_pb2.CacheOps(
-        swap_out_src=packed.pack_i32([3]), swap_out_dst=packed.pack_i32([0])))
+    ops_only = executor_pb2.ExecuteRequest(step_id=1_000_009, plan=common_pb2.ExecutorPlan(
+        table_epoch=plan.epoch, cache_ops=common_pb2.CacheOps(swap_out_src=packed.pack_i32([3]),
+                                                              swap_out_dst=packed.pack_i32([0]))))
     served.stub.Execute(ops_only, timeout=30)
     assert _confirm(served).last_step_id == 1_000_009
 
@@ -81,14 +82,16 @@ def test_confirm_pool_lists_the_blocks_written_since_a_step(serve):
     req = plan.request([(a, bs + 3)])
     req.step_id = 2_000_001
     served.stub.Execute(req, timeout=30)
-    a_blocks = sorted({s // bs for s in packed.unpack_i32(req.slot_mapping)})
+    a_blocks = sorted(a.blocks)  # what its slot mapping wrote
     assert len(a_blocks) == 2
 
-    swap = executor_pb2.ExecuteRequest(step_id=2_000_003, cache_ops=common_pb2.CacheOps(
-        swap_out_src=packed.pack_i32([a_blocks[0]]), swap_out_dst=packed.pack_i32([0])))
+    swap = executor_pb2.ExecuteRequest(step_id=2_000_003, plan=common_pb2.ExecutorPlan(
+        table_epoch=plan.epoch, cache_ops=common_pb2.CacheOps(swap_out_src=packed.pack_i32([a_blocks[0]]),
+                                                              swap_out_dst=packed.pack_i32([0]))))
     served.stub.Execute(swap, timeout=30)  # reads a device block, writes swap space only
-    copy = executor_pb2.ExecuteRequest(step_id=2_000_005, cache_ops=common_pb2.CacheOps(
-        copy_src=packed.pack_i32([a_blocks[0]]), copy_dst=packed.pack_i32([7])))
+    copy = executor_pb2.ExecuteRequest(step_id=2_000_005, plan=common_pb2.ExecutorPlan(
+        table_epoch=plan.epoch, cache_ops=common_pb2.CacheOps(copy_src=packed.pack_i32([a_blocks[0]]),
+                                                              copy_dst=packed.pack_i32([7]))))
     served.stub.Execute(copy, timeout=30)
 
     assert _written(served, 2_000_000) == (True, sorted({*a_blocks, 7}))

@@ -16,7 +16,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 def _base(served):
-    """A valid 2-sequence request: seq 1 prefill of 6, seq 2 prefill of 3."""
+    """A valid 2-sequence request: seq 1 prefill of 6, seq 2 prefill of 3 (both started: whole tables)."""
     plan = Plan(served)
     p1, p2 = prompts(2, [6, 3], seed=31)
     a, b = plan.new_seq(p1), plan.new_seq(p2)
@@ -29,6 +29,18 @@ def _set(field, values, pack=packed.pack_i32):
     return mutate
 
 
+def _set_plan(field, values, pack=packed.pack_i32):
+    def mutate(req):
+        setattr(req.plan, field, pack(values))
+    return mutate
+
+
+def _set_tables(field, values, pack=packed.pack_i32):
+    def mutate(req):
+        setattr(req.plan.tables, field, pack(values))
+    return mutate
+
+
 def _set_sampling(field, values, pack=packed.pack_i32):
     def mutate(req):
         setattr(req.sampling, field, pack(values))
@@ -37,7 +49,7 @@ def _set_sampling(field, values, pack=packed.pack_i32):
 
 def _ops(**fields):
     def mutate(req):
-        req.cache_ops.CopyFrom(common_pb2.CacheOps(**{k: packed.pack_i32(v) for k, v in fields.items()}))
+        req.plan.cache_ops.CopyFrom(common_pb2.CacheOps(**{k: packed.pack_i32(v) for k, v in fields.items()}))
     return mutate
 
 
@@ -49,32 +61,38 @@ def _token(i, value):
     return mutate
 
 
-def _slot(i, delta):
-    def mutate(req):
-        slots = list(packed.unpack_i32(req.slot_mapping))
-        slots[i] += delta
-        req.slot_mapping = packed.pack_i32(slots)
-    return mutate
-
-
 def _table(i, value):
     def mutate(req):
-        t = list(packed.unpack_i32(req.block_tables))
+        t = list(packed.unpack_i32(req.plan.tables.started_block_ids))
         t[i] = value
-        req.block_tables = packed.pack_i32(t)
+        req.plan.tables.started_block_ids = packed.pack_i32(t)
     return mutate
+
+
+def _not_started(req):
+    # rows for sequences the executor holds no table for
+    req.plan.tables.ClearField("started_seq_ids")
+    req.plan.tables.ClearField("started_context_lens")
+    req.plan.tables.ClearField("started_offsets")
+    req.plan.tables.ClearField("started_block_ids")
+
+
+def _extend_unknown(req):
+    t = req.plan.tables
+    t.extended_seq_ids, t.extended_first_index = packed.pack_i64([77]), packed.pack_i32([0])
+    t.extended_offsets, t.extended_block_ids = packed.pack_i32([0, 1]), packed.pack_i32([5])
 
 
 def _long_context(req):
     # 2 tokens at position 255..256 > max_model_len 256, with a valid table.
-    blocks = list(range(65))
-    req.seq_ids = packed.pack_i64([1])
+    blocks = list(range(64))
+    req.plan.seq_ids = packed.pack_i64([1])
+    req.plan.query_lens = packed.pack_i32([2])
+    t = req.plan.tables
+    t.started_seq_ids, t.started_context_lens = packed.pack_i64([1]), packed.pack_i32([255])
+    t.started_offsets, t.started_block_ids = packed.pack_i32([0, len(blocks)]), packed.pack_i32(blocks)
     req.context_lens = packed.pack_i32([255])
-    req.query_lens = packed.pack_i32([2])
     req.token_ids = packed.pack_i32([5, 6])
-    req.block_table_offsets = packed.pack_i32([0, len(blocks)])
-    req.block_tables = packed.pack_i32(blocks)
-    req.slot_mapping = packed.pack_i32([255 // BLOCK_SIZE * BLOCK_SIZE + 3, 256])
     req.ClearField("sampling")
 
 
@@ -83,17 +101,19 @@ CASES = [
     ("negative token id", _token(7, -1), INVALID),
     ("block id past pool", _table(0, NUM_BLOCKS), INVALID),
     ("negative block id", _table(1, -3), INVALID),
-    ("slot mapping off by one", _slot(2, 1), INVALID),
-    ("slot in another block", _slot(0, BLOCK_SIZE), INVALID),
+    ("context disagrees with the executor's tables", _set("context_lens", [1, 0]), grpc.StatusCode.FAILED_PRECONDITION),
+    ("row without a table", _not_started, grpc.StatusCode.FAILED_PRECONDITION),
+    ("extends a table it does not hold", _extend_unknown, grpc.StatusCode.FAILED_PRECONDITION),
     ("token_ids shorter than query_lens", _set("token_ids", [5, 6, 7]), INVALID),
-    ("slot_mapping shorter", _set("slot_mapping", [0, 1]), INVALID),
+    ("started context lens short", _set_tables("started_context_lens", [0]), INVALID),
     ("context_lens wrong length", _set("context_lens", [0]), INVALID),
-    ("query_lens zero", _set("query_lens", [9, 0]), INVALID),
-    ("negative context", _set("context_lens", [-1, 0]), INVALID),
-    ("block table too short", _set("block_table_offsets", [0, 1, 3]), INVALID),
-    ("offsets not ending at table length", _set("block_table_offsets", [0, 2, 2]), INVALID),
-    ("duplicate seq ids", _set("seq_ids", [4, 4], packed.pack_i64), INVALID),
+    ("query_lens zero", _set_plan("query_lens", [9, 0]), INVALID),
+    ("negative context", _set_tables("started_context_lens", [-1, 0]), INVALID),
+    ("block table too short", _set_tables("started_offsets", [0, 1, 3]), INVALID),
+    ("offsets not ending at table length", _set_tables("started_offsets", [0, 2, 2]), INVALID),
+    ("duplicate seq ids", _set_plan("seq_ids", [4, 4], packed.pack_i64), INVALID),
     ("malformed packed bytes", lambda r: setattr(r, "token_ids", b"\x01\x02\x03"), INVALID),
+    ("malformed table bytes", lambda r: setattr(r.plan.tables, "started_block_ids", b"\x01\x02"), INVALID),
     ("context beyond max_model_len", _long_context, INVALID),
     ("copy dst past pool", _ops(copy_src=[1], copy_dst=[NUM_BLOCKS]), INVALID),
     ("copy src is a dst", _ops(copy_src=[1, 2], copy_dst=[2, 3]), INVALID),
@@ -197,8 +217,9 @@ def test_out_of_memory_is_resource_exhausted_and_survivable(serve, monkeypatch):
 
 def test_empty_step_with_only_cache_ops(serve):
     served = serve(CKPT)
-    req = executor_pb2.ExecuteRequest(step_id=9, cache_ops=common_pb2.CacheOps(
-        swap_out_src=packed.pack_i32([3]), swap_out_dst=packed.pack_i32([0])))
+    req = executor_pb2.ExecuteRequest(step_id=9, plan=common_pb2.ExecutorPlan(
+        table_epoch=1, cache_ops=common_pb2.CacheOps(swap_out_src=packed.pack_i32([3]),
+                                                              swap_out_dst=packed.pack_i32([0]))))
     resp = served.stub.Execute(req, timeout=30)
     assert resp.step_id == 9 and resp.sampled_token_ids == b""
 

@@ -88,10 +88,7 @@ def test_fork_copies_the_shared_partial_block(serve, oracle, ckpt):
     plan.prefill([parent])  # parent now holds 1 sampled token
     # Fork: the child shares every block; it diverges with a forced token.
     child = plan.new_seq(list(parent.tokens), prompt_len=len(p))
-    child.blocks = list(parent.blocks)
-    for blk in child.blocks:
-        plan.alloc.share(blk)
-    child.num_computed = parent.num_computed
+    plan.fork(parent, child)  # the executor learns it as a fork op: the child's table is the parent's
     forced = 99 if parent.tokens[-1] != 99 else 98
     child.tokens[-1] = forced
     # Both write position len(p) into the shared partial block: copy it for the child.
@@ -100,6 +97,11 @@ def test_fork_copies_the_shared_partial_block(serve, oracle, ckpt):
     plan.alloc.release([shared])
     child.blocks[-1] = fresh
     ops = common_pb2.CacheOps(copy_src=packed.pack_i32([shared]), copy_dst=packed.pack_i32([fresh]))
+    req = plan.request([(parent, 1), (child, 1)], cache_ops=ops)
+    assert [f.parent_seq_id for f in req.plan.tables.forks] == [parent.seq_id]
+    assert list(packed.unpack_i64(req.plan.tables.extended_seq_ids)) == [child.seq_id]  # only its copied tail
+    assert not req.plan.tables.started_seq_ids
+    plan.step_id -= 1  # the request above was a look; send the same step
     plan.step([(parent, 1), (child, 1)], cache_ops=ops)
     plan.decode([parent, child], NEW - 2)
     assert parent.generated == oracle(ckpt).greedy(p, NEW)
@@ -177,10 +179,7 @@ def test_triton_interpreter_fork_and_prefix(serve, oracle):
     parent = plan.new_seq(p)
     plan.prefill([parent])
     child = plan.new_seq(list(parent.tokens), prompt_len=len(p))
-    child.blocks = list(parent.blocks)
-    for blk in child.blocks:
-        plan.alloc.share(blk)
-    child.num_computed = parent.num_computed
+    plan.fork(parent, child)  # the executor learns it as a fork op: the child's table is the parent's
     shared, fresh = child.blocks[-1], plan.alloc.alloc()
     plan.alloc.release([shared])
     child.blocks[-1] = fresh

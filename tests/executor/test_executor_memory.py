@@ -97,6 +97,7 @@ async def test_memory_planned_greedy_run_matches_generate(checkpoints, oracle):
             [prefix] = prompts(1, [3 * BS], seed=41)
             tokens = {1: prefix + [10, 11], 2: prefix + [20, 21, 22]}
             plen = {k: len(v) for k, v in tokens.items()}
+            computed: dict[int, int] = {}  # what the executor holds for each sequence, as the plans say
             step_id = 0
 
             async def step(new=(), schedule=(), appended=None):
@@ -116,14 +117,16 @@ async def test_memory_planned_greedy_run_matches_generate(checkpoints, oracle):
                 plan = await mem.Step(req, timeout=10)
                 (ep,) = plan.executor_plans
                 seq_ids = list(packed.unpack_i64(ep.seq_ids))
-                ctx = list(packed.unpack_i32(ep.context_lens))
+                starts = dict(zip(packed.unpack_i64(ep.tables.started_seq_ids),
+                                  packed.unpack_i32(ep.tables.started_context_lens)))
+                ctx = [starts.get(s, computed.get(s, 0)) for s in seq_ids]
                 q = list(packed.unpack_i32(ep.query_lens))
                 toks = [t for s, c, n in zip(seq_ids, ctx, q) for t in tokens[s][c:c + n]]
                 resp = await exe.Execute(executor_pb2.ExecuteRequest(
-                    step_id=step_id, incarnation=ep.incarnation, cache_ops=ep.cache_ops, seq_ids=ep.seq_ids,
-                    context_lens=ep.context_lens, query_lens=ep.query_lens, token_ids=packed.pack_i32(toks),
-                    block_table_offsets=ep.block_table_offsets, block_tables=ep.block_tables,
-                    slot_mapping=ep.slot_mapping), timeout=30)
+                    step_id=step_id, incarnation=ep.incarnation, plan=ep, context_lens=packed.pack_i32(ctx),
+                    token_ids=packed.pack_i32(toks)), timeout=30)
+                for s, c, n in zip(seq_ids, ctx, q):
+                    computed[s] = c + n
                 sampled = dict(zip(seq_ids, packed.unpack_i32(resp.sampled_token_ids)))
                 for s, t in sampled.items():
                     tokens[s].append(t)

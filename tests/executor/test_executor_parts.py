@@ -16,6 +16,7 @@ import torch
 from executor_harness import Oracle
 from executor_service.attention import load_backend
 from executor_service.kv_pool import KvPool, block_bytes
+from executor_service.tables import TableChanges
 from executor_service.step import StepInput
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,11 +82,14 @@ def _greedy_in_process(executor, prompt: list[int], num_new: int) -> list[int]:
     blocks = list(range(1, 1 + -(-(len(prompt) + num_new) // bs)))
     for step in range(num_new):
         q = len(tokens) - ctx
+        # the first step starts the sequence with its whole table; later ones change nothing in it
+        tables = TableChanges(started_seq_ids=np.array([7], np.int64), started_context_lens=np.array([0], np.int32),
+                              started_offsets=np.array([0, len(blocks)], np.int32),
+                              started_block_ids=np.array(blocks, np.int32)) if step == 0 else TableChanges()
         out = executor.execute(StepInput(
-            step_id=step, seq_ids=np.array([7], np.int64), context_lens=np.array([ctx], np.int32),
-            query_lens=np.array([q], np.int32), token_ids=np.array(tokens[ctx:], np.int32),
-            block_table_offsets=np.array([0, len(blocks)], np.int32), block_tables=np.array(blocks, np.int32),
-            slot_mapping=np.array([blocks[p // bs] * bs + p % bs for p in range(ctx, ctx + q)], np.int32)))
+            step_id=step, seq_ids=np.array([7], np.int64), query_lens=np.array([q], np.int32),
+            token_ids=np.array(tokens[ctx:], np.int32), table_epoch=1, tables=tables,
+            context_lens=np.array([ctx], np.int32)))
         ctx = len(tokens)
         tokens.append(int(out.sampled_token_ids[0]))
     return tokens[len(prompt):]

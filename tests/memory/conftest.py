@@ -1,11 +1,11 @@
 """Helpers for the memory-service core tests: one small executor behind a
-MemoryManager, and short ways to build steps and read plans back."""
+MemoryManager, and short ways to build steps and read plans back (whole
+rows, replayed from the plans' table changes by ``plan_mirror``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
+from plan_mirror import Row, TableMirror, check_rows, domain_view  # noqa: F401 - Row: the rows tests read
 
 from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorSpec
@@ -14,17 +14,6 @@ from memory_service.policy import ModePolicy
 from memory_service.records import NewSeq, StepInput, StepOutput
 
 EID = "e0"
-
-
-@dataclass
-class Row:
-    """One sequence's row of an executor plan, unpacked."""
-
-    context_len: int
-    query_len: int
-    block_table: list[int]
-    slots: list[int]
-    num_cached_tokens: int
 
 
 class Harness:
@@ -42,6 +31,8 @@ class Harness:
         self.m.register_executor(self.spec)
         self.bs = block_size
         self.step_id = 0
+        self.mirrors: dict[str, TableMirror] = {}
+        self._rows: dict[int, tuple[StepOutput, dict[str, dict[int, Row]]]] = {}  # id(out) -> (out, rows)
 
     # ---- views ------------------------------------------------------------------
 
@@ -111,49 +102,30 @@ class Harness:
         out = self.m.step(step)
         self.step_id = max(self.step_id, step.step_id)
         self.check()
-        check_slots(out, {eid: kv.block_size for eid, kv in self.m.executors.items()})
+        self.execute(out)
         return out
 
+    def execute(self, out: StepOutput) -> dict[str, dict[int, Row]]:
+        """Replay a plan's table changes as its executors would (once per plan:
+        a retried step returns the same plan) and check its slots."""
+        if id(out) not in self._rows:
+            by_executor = {}
+            for plan in out.executor_plans:
+                kv = self.m.executors[plan.executor_id]
+                mirror = self.mirrors.setdefault(plan.executor_id, TableMirror(kv.block_size))
+                by_executor[plan.executor_id] = mirror.apply(domain_view(plan))
+            check_rows(by_executor)
+            self._rows[id(out)] = (out, by_executor)
+        return self._rows[id(out)][1]
 
-def rows(out: StepOutput, executor_id: str = EID) -> dict[int, Row]:
-    """seq_id -> its plan row for one executor ({} when that executor has no plan)."""
-    plans = [p for p in out.executor_plans if p.executor_id == executor_id]
-    if not plans:
-        return {}
-    (plan,) = plans
-    result = {}
-    pos = 0
-    for i, seq_id in enumerate(plan.seq_ids):
-        q = plan.query_lens[i]
-        table = list(plan.block_tables[plan.block_table_offsets[i]:plan.block_table_offsets[i + 1]])
-        result[seq_id] = Row(plan.context_lens[i], q, table, list(plan.slot_mapping[pos:pos + q]),
-                             plan.num_cached_tokens[i])
-        pos += q
-    assert pos == len(plan.slot_mapping)
-    return result
+    def rows(self, out: StepOutput, executor_id: str = EID) -> dict[int, Row]:
+        """seq_id -> its plan row for one executor ({} when that executor has no plan)."""
+        return self.execute(out).get(executor_id, {})
 
-
-def ops(out: StepOutput, executor_id: str = EID):
-    plans = [p for p in out.executor_plans if p.executor_id == executor_id]
-    return plans[0].ops if plans else None
-
-
-def check_slots(out: StepOutput, block_sizes: dict[str, int]) -> None:
-    """slot == block_id * block_size + offset for every planned token, and no
-    slot is written twice in a step."""
-    for plan in out.executor_plans:
-        bs = block_sizes[plan.executor_id]
-        seen: set[int] = set()
-        for seq_id, row in rows(out, plan.executor_id).items():
-            expect = [row.block_table[p // bs] * bs + p % bs
-                      for p in range(row.context_len, row.context_len + row.query_len)]
-            assert row.slots == expect, f"seq {seq_id}: slots {row.slots} != {expect}"
-            assert not seen & set(row.slots), f"seq {seq_id} writes a slot another row writes"
-            seen.update(row.slots)
-
-
-Harness.rows = staticmethod(rows)
-Harness.ops = staticmethod(ops)
+    @staticmethod
+    def ops(out: StepOutput, executor_id: str = EID):
+        plans = [p for p in out.executor_plans if p.executor_id == executor_id]
+        return plans[0].ops if plans else None
 
 
 @pytest.fixture

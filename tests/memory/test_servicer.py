@@ -9,6 +9,7 @@ import pytest
 from kvpager.channel import make_channel
 from kvpager.packed import pack_i32, pack_i64, unpack_i32, unpack_i64
 from kvpager.v1 import common_pb2, memory_pb2, memory_pb2_grpc
+from plan_mirror import TableMirror, proto_view
 from memory_service.service import MemoryConfig, MemoryServer
 
 BS = 4
@@ -59,18 +60,21 @@ async def test_step_plan_decode_fork_free_roundtrip(memory):
     plan = await stub.Step(memory_pb2.StepRequest(step_id=1, new_sequences=[new_seq(1, range(10))],
                                                   **schedule([1], [10])))
     (ep,) = plan.executor_plans
-    assert ep.executor_id == "e0" and ep.incarnation == 1
+    assert ep.executor_id == "e0" and ep.incarnation == 1 and ep.table_epoch
     assert list(unpack_i64(ep.seq_ids)) == [1]
-    assert list(unpack_i32(ep.context_lens)) == [0] and list(unpack_i32(ep.query_lens)) == [10]
-    table = list(unpack_i32(ep.block_tables))
-    assert list(unpack_i32(ep.block_table_offsets)) == [0, 3] and len(table) == 3
-    slots = list(unpack_i32(ep.slot_mapping))
-    assert slots == [table[p // BS] * BS + p % BS for p in range(10)]
+    mirror = TableMirror(BS)  # the executor's tables, replayed from the plans' changes
+    r = mirror.apply(proto_view(ep))[1]
+    assert (r.context_len, r.query_len) == (0, 10)
+    table = r.block_table
+    assert list(unpack_i64(ep.tables.started_seq_ids)) == [1] and len(table) == 3  # the whole table, once
+    assert r.slots == [table[p // BS] * BS + p % BS for p in range(10)]
 
     # decode one token, then fork into two children that share every block
     plan = await stub.Step(memory_pb2.StepRequest(step_id=2, appended=appended([1], [42]), **schedule([1], [1])))
-    assert list(unpack_i32(plan.executor_plans[0].slot_mapping)) == [table[2] * BS + 2]
-    fork = await stub.Fork(memory_pb2.ForkRequest(fork=memory_pb2.ForkOp(parent_seq_id=1, child_seq_ids=[2, 3])))
+    ep = plan.executor_plans[0]
+    assert mirror.apply(proto_view(ep))[1].slots == [table[2] * BS + 2]
+    assert not ep.tables.started_seq_ids and not ep.tables.extended_seq_ids  # no table change: none sent
+    fork = await stub.Fork(memory_pb2.ForkRequest(fork=common_pb2.ForkOp(parent_seq_id=1, child_seq_ids=[2, 3])))
     assert fork.shared_blocks == 3 * 2
     t = await accounting(stub)
     assert t.logical_blocks == 9 and t.physical_blocks == 3 and t.sharing_saved_blocks == 6
@@ -78,8 +82,12 @@ async def test_step_plan_decode_fork_free_roundtrip(memory):
     # children diverge: the shared partial block is copied for all but the last writer
     plan = await stub.Step(memory_pb2.StepRequest(step_id=3, appended=appended([1, 2, 3], [5, 6, 7]),
                                                   **schedule([1, 2, 3], [1, 1, 1])))
-    ops = plan.executor_plans[0].cache_ops
+    ep = plan.executor_plans[0]
+    ops = ep.cache_ops
     assert len(unpack_i32(ops.copy_src)) == 2 and set(unpack_i32(ops.copy_src)) == {table[2]}
+    assert [(f.parent_seq_id, list(f.child_seq_ids)) for f in ep.tables.forks] == [(1, [2, 3])]
+    rows = mirror.apply(proto_view(ep))
+    assert {r.block_table[2] for r in rows.values()} == {table[2], *unpack_i32(ops.copy_dst)}
 
     released = await stub.Free(memory_pb2.FreeRequest(seq_ids=[1, 2, 3]))
     assert released.blocks_released == 5
@@ -95,8 +103,8 @@ async def test_prefix_hit_reported_and_scored(memory):
     plan = await stub.Step(memory_pb2.StepRequest(step_id=2, new_sequences=[new_seq(2, prompt)],
                                                   **schedule([2], [13])))
     ep = plan.executor_plans[0]
-    assert list(unpack_i32(ep.context_lens)) == [12] and list(unpack_i32(ep.query_lens)) == [1]
-    assert list(unpack_i32(ep.num_cached_tokens)) == [12]
+    assert list(unpack_i32(ep.tables.started_context_lens)) == [12] and list(unpack_i32(ep.query_lens)) == [1]
+    assert list(unpack_i32(ep.started_cached_tokens)) == [12]
     scores = await stub.ScorePrefix(memory_pb2.ScorePrefixRequest(token_ids=pack_i32(prompt)))
     (s,) = scores.scores
     assert s.executor_id == "e0" and s.hit_blocks == 3 and s.hit_tokens == 12
@@ -129,10 +137,10 @@ async def test_every_bad_input_gets_its_status_and_leaks_nothing(memory):
         (S.NOT_FOUND, lambda: stub.Free(memory_pb2.FreeRequest(seq_ids=[12345]))),
         (S.ALREADY_EXISTS, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(5, [1, 2])]))),
         (S.ALREADY_EXISTS, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, new_sequences=[new_seq(8, [1]), new_seq(8, [2])]))),
-        (S.ALREADY_EXISTS, lambda: stub.Fork(memory_pb2.ForkRequest(fork=memory_pb2.ForkOp(parent_seq_id=5, child_seq_ids=[5])))),
+        (S.ALREADY_EXISTS, lambda: stub.Fork(memory_pb2.ForkRequest(fork=common_pb2.ForkOp(parent_seq_id=5, child_seq_ids=[5])))),
         (S.FAILED_PRECONDITION, lambda: stub.Free(memory_pb2.FreeRequest(seq_ids=[1]))),
         (S.FAILED_PRECONDITION, lambda: stub.Free(memory_pb2.FreeRequest(seq_ids=[5, 5]))),
-        (S.FAILED_PRECONDITION, lambda: stub.Fork(memory_pb2.ForkRequest(fork=memory_pb2.ForkOp(parent_seq_id=1, child_seq_ids=[9])))),
+        (S.FAILED_PRECONDITION, lambda: stub.Fork(memory_pb2.ForkRequest(fork=common_pb2.ForkOp(parent_seq_id=1, child_seq_ids=[9])))),
         (S.FAILED_PRECONDITION, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, abort_seq_ids=pack_i64([1])))),
         (S.INVALID_ARGUMENT, lambda: stub.RegisterExecutor(memory_pb2.RegisterExecutorRequest(
             info=memory_pb2.ExecutorPoolInfo(executor_id="e1", num_blocks=0, block_size=4)))),
@@ -156,7 +164,7 @@ async def test_every_bad_input_gets_its_status_and_leaks_nothing(memory):
         (S.INVALID_ARGUMENT, lambda: stub.Step(memory_pb2.StepRequest(step_id=3, appended=common_pb2.TokenBatch(
             seq_ids=pack_i64([5]), offsets=pack_i32([0, 3]), token_ids=pack_i32([1]))))),
         (S.INVALID_ARGUMENT, lambda: stub.ScorePrefix(memory_pb2.ScorePrefixRequest(token_ids=b"\x00\x01"))),
-        (S.INVALID_ARGUMENT, lambda: stub.Fork(memory_pb2.ForkRequest(fork=memory_pb2.ForkOp(parent_seq_id=5)))),
+        (S.INVALID_ARGUMENT, lambda: stub.Fork(memory_pb2.ForkRequest(fork=common_pb2.ForkOp(parent_seq_id=5)))),
     ]
     for code, call in cases:  # one at a time: an aio call starts when created
         await expect(code, call())

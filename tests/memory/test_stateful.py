@@ -41,6 +41,7 @@ from memory_service.manager import MemoryManager
 from memory_service.policy import ModePolicy, PreemptionMode
 from memory_service.records import NewSeq, StepInput
 from kvpager.seq_status import SeqStatus
+from plan_mirror import TableMirror, domain_view
 from memory_service.records import RejectionReason
 
 EXAMPLES = int(os.environ.get("KVPAGER_STATEFUL_EXAMPLES", "100"))
@@ -103,6 +104,7 @@ class MemoryMachine(RuleBasedStateMachine):
         self.m = MemoryManager(mode_policy=ModePolicy(swap_min_tokens=swap_min_tokens), events=self.events)
         self.specs: dict[str, ExecutorSpec] = {}
         self.slots: dict[str, Slots] = {}
+        self.mirrors: dict[str, TableMirror] = {}      # the executors' tables, replayed from the plans
         self.index: dict[str, dict[bytes, int]] = {}   # rebuilt from the event stream
         for i, eid in enumerate(EXECUTORS):
             self._register(ExecutorSpec(eid, num_blocks=num_blocks[i], block_size=block_sizes[i],
@@ -121,6 +123,8 @@ class MemoryMachine(RuleBasedStateMachine):
         self.m.register_executor(spec)
         self.specs[spec.executor_id] = spec
         self.slots[spec.executor_id] = Slots(spec.block_size)
+        # a restarted executor keeps nothing; the new registration's epoch tells it so anyway
+        self.mirrors.setdefault(spec.executor_id, TableMirror(spec.block_size))
 
     # ---- helpers ----------------------------------------------------------------------
 
@@ -276,7 +280,7 @@ class MemoryMachine(RuleBasedStateMachine):
         for plan in out.executor_plans:
             STATS["cow_copies"] += len(plan.ops.copy_src)
             STATS["swap_ins"] += len(plan.ops.swap_in_src)
-            STATS["prefix_hits"] += sum(1 for n in plan.num_cached_tokens if n)
+            STATS["prefix_hits"] += sum(1 for n in plan.tables.started_cached_tokens if n)
 
         # the simulated executors run the plans
         for plan in out.executor_plans:
@@ -288,20 +292,17 @@ class MemoryMachine(RuleBasedStateMachine):
         bs = slots.bs
         slots.apply_ops(plan.ops)
         rows = []
-        pos = 0
-        for i, seq_id in enumerate(plan.seq_ids):
-            ctx, q = plan.context_lens[i], plan.query_lens[i]
-            table = list(plan.block_tables[plan.block_table_offsets[i]:plan.block_table_offsets[i + 1]])
-            row_slots = list(plan.slot_mapping[pos:pos + q])
-            pos += q
+        replayed = self.mirrors[plan.executor_id].apply(domain_view(plan))
+        for seq_id, q in zip(plan.seq_ids, plan.query_lens):
+            r = replayed[seq_id]
+            ctx, table, row_slots = r.context_len, r.block_table, r.slots
             seq = self.m.seqs[seq_id]
-            assert 1 <= q <= asked[seq_id]
+            assert 1 <= q <= asked[seq_id] and q == r.query_len
             assert table == list(seq.block_ids) == [b.block_id for b in seq.blocks]
             assert seq.num_computed == ctx + q and ctx + q <= len(self.tokens[seq_id])
             assert row_slots == [table[p // bs] * bs + p % bs for p in range(ctx, ctx + q)]
-            assert 0 <= plan.num_cached_tokens[i] <= ctx
+            assert 0 <= r.num_cached_tokens <= ctx
             rows.append((seq_id, ctx, q, table, row_slots))
-        assert pos == len(plan.slot_mapping)
         written = [s for r in rows for s in r[4]]
         assert len(written) == len(set(written)), "two rows write one slot"
         # the forward: every row writes its new tokens' KV, then reads its whole context

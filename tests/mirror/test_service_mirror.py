@@ -218,7 +218,7 @@ async def test_restart_recovery_rebuilds_confirmed_executors_only(redis_proc):
         assert (after.cached_blocks, after.used_blocks, after.free_blocks) == (5, 0, 32)
         assert await c.scores(PROMPT) == {"e0": 3}
         plan = await c.prefill("e0", PROMPT)  # a real prefix hit on the rebuilt index
-        assert list(unpack_i32(plan.executor_plans[0].num_cached_tokens)) == [12]
+        assert list(unpack_i32(plan.executor_plans[0].started_cached_tokens)) == [12]
         assert not second.state.manager.check_invariants()
 
         await second.mirror.sync()

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from kvpager.channel import auth_metadata, make_channel
-from kvpager.v1 import memory_pb2, memory_pb2_grpc
+from kvpager.v1 import common_pb2, memory_pb2, memory_pb2_grpc
 from memory_service.service import MemoryConfig, MemoryServer
 
 READ_ONLY = {
@@ -20,7 +20,7 @@ MUTATING = {
         executor_id="e", num_blocks=8, block_size=4)),
     "Heartbeat": memory_pb2.HeartbeatRequest(executor_id="e"),
     "Step": memory_pb2.StepRequest(),
-    "Fork": memory_pb2.ForkRequest(fork=memory_pb2.ForkOp(parent_seq_id=1, child_seq_ids=[2])),
+    "Fork": memory_pb2.ForkRequest(fork=common_pb2.ForkOp(parent_seq_id=1, child_seq_ids=[2])),
     "Free": memory_pb2.FreeRequest(seq_ids=[1]),
     "DeregisterExecutor": memory_pb2.DeregisterExecutorRequest(executor_id="e"),
 }

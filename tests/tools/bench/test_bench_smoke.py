@@ -88,7 +88,14 @@ def test_compare_hf(stack, model):
 def test_overhead(stack, model):
     from kvpager_tools.bench.overhead import measure
 
-    result = measure(model, [2], prompt_len=16, output_len=12, repeats=1, stack=stack)
+    result = measure(model, [2], prompt_len=16, output_len=12, repeats=1, stack=stack, contexts=[64],
+                     control_steps=4)
+    (cp,) = result["control_plane"]
+    assert (cp["batch"], cp["context"], cp["steps"]) == (2, 64, 4)
+    assert cp["control_us"] == pytest.approx(cp["step_us"] + cp["execute_overhead_us"], abs=0.5)
+    assert cp["control_x_two_echoes"] > 0 and cp["forward_us"] > 0
+    assert 0 < cp["bytes_per_step"] == cp["plan_bytes"] <= cp["plan_bytes_max"]
+    assert cp["bytes_per_step"] < 200  # two decodes inside their blocks: ids and lengths, no tables
     (row,) = result["batches"]
     assert row["batch"] == 2 and row["echo_us"] > 0 and row["steps_per_window"] >= 1
     assert row["period_us"] >= row["forward_us"] > 0

@@ -1,0 +1,160 @@
+"""Planning a step: allocation in the caller's order, preemption when
+someone cannot get room, and each executor's plan.
+
+For each scheduled sequence, in order: a running one gets room for its next
+tokens (copy-on-write where it would write into a shared block), a swapped
+one is swapped in, a waiting one is admitted (prefix hits first). When that
+fails, ``make_room`` preempts: the eligibility policy says who may give
+blocks back, the victim policy who goes first, the mode policy how (swap or
+recompute). Allocation for one sequence either succeeds or that sequence is
+not scheduled: failure never leaves partial state.
+
+An executor's plan lists its rows (sequence, tokens computed now), the
+changes to its block tables since its last plan and its cache ops; an
+executor with neither rows nor ops gets no plan (its pending table changes
+wait for the next one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvpager.seq_status import SeqStatus
+from memory_service.block import Block
+from memory_service.kv_manager import ExecutorKV
+from memory_service.policy import ModePolicy, PreemptionMode, VictimEligibility, VictimPolicy
+from memory_service.records import ExecutorStepPlan, StepInput, StepOutput
+from memory_service.sequence import Sequence
+
+
+class Planner:
+    def __init__(self, seqs: dict[int, Sequence], executors: dict[str, ExecutorKV], *,
+                 eligibility: VictimEligibility, victims: VictimPolicy, modes: ModePolicy) -> None:
+        self.seqs = seqs
+        self.executors = executors
+        self.eligibility = eligibility
+        self.victims = victims
+        self.modes = modes
+
+    def plan(self, step: StepInput, out: StepOutput, rejected: set[int]) -> None:
+        """Allocate step.schedule in order; fill out.executor_plans, preempted, unscheduled."""
+        seqs = self.seqs
+        handled: set[int] = set()       # scheduled (or given up) in this step: never a victim after
+        preempted: set[int] = set()
+        admission_closed: set[str] = set()
+        rows: dict[str, list[tuple[int, int]]] = {}  # executor -> (seq_id, tokens computed now)
+        running, swapped = SeqStatus.RUNNING, SeqStatus.SWAPPED
+        kv = None
+        for seq_id, k in zip(step.schedule_seq_ids, step.schedule_num_tokens):
+            if seq_id in rejected:
+                continue
+            seq = seqs[seq_id]
+            handled.add(seq_id)
+            if preempted and seq_id in preempted:
+                out.unscheduled.append(seq_id)
+                continue
+            if kv is None or kv.spec.executor_id != seq.executor_id:
+                kv = self.executors[seq.executor_id]
+            status = seq.status
+            if status is running:
+                k = min(k, len(seq.token_ids) - seq.num_computed)  # >= 1, validated
+                if kv.allocate_slots(seq, k) or self.make_room(
+                        kv, seq, lambda kv=kv, seq=seq, k=k: kv.allocate_slots(seq, k), None, handled, out, preempted):
+                    rows.setdefault(kv.spec.executor_id, []).append((seq_id, k))
+                    kv.commit(seq, k)
+                else:
+                    out.unscheduled.append(seq_id)
+            elif status is swapped:
+                k = min(k, seq.num_tokens - seq.num_computed)
+                if self.make_room(kv, seq, lambda kv=kv, seq=seq, k=k: kv.swap_in(seq, k),
+                                  lambda: kv.room_needed(seq, k), handled, out, preempted):
+                    rows.setdefault(kv.spec.executor_id, []).append((seq_id, k))
+                    kv.commit(seq, k)
+                else:
+                    out.unscheduled.append(seq_id)
+            else:  # WAITING: new, or preempted by recompute
+                if kv.spec.executor_id in admission_closed:
+                    out.unscheduled.append(seq_id)  # FCFS: no overtaking a request that did not fit
+                    continue
+                first = not seq.admitted
+                granted: list[int] = []
+
+                def admit(kv=kv, seq=seq, k=k, first=first) -> bool:
+                    r = kv.admit(seq, k, count_hits=first)
+                    if r is None:
+                        return False
+                    granted.append(r[1])
+                    return True
+
+                if self.make_room(kv, seq, admit, lambda kv=kv, seq=seq, k=k: kv.room_needed(seq, k),
+                                  handled, out, preempted):
+                    if first:
+                        seq.admitted = True
+                        seq.num_cached_tokens = seq.num_computed  # the prefix hit
+                    rows.setdefault(kv.spec.executor_id, []).append((seq_id, granted[0]))
+                    kv.commit(seq, granted[0])
+                else:
+                    out.unscheduled.append(seq_id)
+                    admission_closed.add(kv.spec.executor_id)
+
+        for executor_id, kv in self.executors.items():
+            plan_rows = rows.get(executor_id)
+            ops = kv.take_ops()
+            if not plan_rows and not ops:
+                assert not kv.tables.has_row_changes, "table starts and extends come with rows"
+                continue
+            plan = ExecutorStepPlan(executor_id, kv.spec.incarnation, kv.table_epoch, tables=kv.take_tables(),
+                                    ops=ops)
+            for seq_id, k in plan_rows or ():
+                plan.seq_ids.append(seq_id)
+                plan.query_lens.append(k)
+            out.executor_plans.append(plan)
+
+    def make_room(self, kv: ExecutorKV, seq: Sequence, attempt: Callable[[], bool],
+                  room_needed: Callable[[], tuple[int, list[Block]]] | None, handled: set[int],
+                  out: StepOutput, preempted: set[int]) -> bool:
+        """Run attempt(); while it fails, preempt the victim policy's pick among
+        the eligible running sequences not yet handled in this step.
+
+        A requester that may be its own victim (a running sequence that cannot
+        grow) stops once it is picked: it gives its own blocks back and waits.
+        Any other preempts only while preempting every eligible sequence could
+        make room (``room_needed``: the free blocks the attempt needs and the
+        cached blocks it would take back itself), so no one loses blocks for
+        nothing."""
+        if attempt():
+            return True
+        need, hits = room_needed() if room_needed is not None else (0, [])
+        reused = set(hits)
+        eligible = self.eligibility.eligible
+        while True:
+            candidates = [s for s in (self.seqs[i] for i in kv.seq_ids)
+                          if s.status is SeqStatus.RUNNING and (s.seq_id not in handled or s is seq)
+                          and eligible(s, seq)]
+            if not candidates:
+                return False
+            if room_needed is not None:
+                # Blocks only candidates hold, less the cached hits the attempt takes back itself.
+                holders: dict[Block, int] = {}
+                for s in candidates:
+                    for b in s.blocks:
+                        holders[b] = holders.get(b, 0) + 1
+                reclaimable = sum(1 for b, n in holders.items() if n == b.ref_cnt and b not in reused)
+                free = kv.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
+                if free + reclaimable < need:
+                    return False
+            victim = self.victims.select(candidates)
+            self.preempt(victim, kv, out, preempted)
+            if victim is seq:
+                return False
+            if attempt():
+                return True
+
+    def preempt(self, victim: Sequence, kv: ExecutorKV, out: StepOutput, preempted: set[int]) -> None:
+        mode = self.modes.choose(victim, kv.swap.num_free)
+        if mode is PreemptionMode.SWAP:
+            kv.preempt_swap(victim)
+        else:
+            kv.preempt_recompute(victim)
+        preempted.add(victim.seq_id)
+        out.preempted.append((victim.seq_id, mode))

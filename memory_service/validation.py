@@ -1,0 +1,169 @@
+"""Step validation: all-or-nothing means everything is checked before anything changes.
+
+A Step is malformed when it names sequences that do not exist (NOT_FOUND),
+were freed already (FAILED_PRECONDITION: a double free, told apart by the
+ids freed recently), or would exist twice (ALREADY_EXISTS); carries tokens
+outside an executor's vocabulary or past a sequence's limit; or asks to
+compute what is not there (INVALID_ARGUMENT). The order of checks follows
+the order the manager applies a step in: forks, appended tokens, frees,
+aborts, new sequences, schedule.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvpager.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvpager.seq_status import SeqStatus
+from memory_service.kv_manager import ExecutorKV
+from memory_service.records import StepInput
+from memory_service.sequence import Sequence
+
+# Token ids are hashed as uint32: the bound when an executor registers no vocabulary.
+_MAX_TOKEN_ID = 2**32 - 1
+# How many freed sequence ids are remembered, to tell a double free
+# (FAILED_PRECONDITION) from an id that never existed (NOT_FOUND).
+_TOMBSTONES = 65536
+
+
+def _vocab_bound(kv: ExecutorKV) -> int:
+    """Token ids of kv's sequences must be below this."""
+    return kv.spec.vocab_size or _MAX_TOKEN_ID + 1
+
+
+class StepValidator:
+    """Checks steps against the manager's live sequences and executors (read only)."""
+
+    def __init__(self, seqs: dict[int, Sequence], executors: dict[str, ExecutorKV]) -> None:
+        self.seqs = seqs
+        self.executors = executors
+        self._freed: OrderedDict[int, None] = OrderedDict()
+
+    def remember_freed(self, seq_id: int) -> None:
+        self._freed[seq_id] = None
+        if len(self._freed) > _TOMBSTONES:
+            self._freed.popitem(last=False)
+
+    def forget_freed(self, seq_id: int) -> None:
+        """The id lives again (a new sequence or fork child took it)."""
+        self._freed.pop(seq_id, None)
+
+    def missing(self, seq_id: int, what: str) -> Exception:
+        if seq_id in self._freed:
+            return FailedPrecondition(f"{what}: sequence {seq_id} was already freed")
+        return NotFound(f"{what}: unknown sequence {seq_id}")
+
+    def _executor(self, executor_id: str) -> ExecutorKV:
+        kv = self.executors.get(executor_id)
+        if kv is None:
+            raise NotFound(f"unknown executor {executor_id!r}")
+        return kv
+
+    def check(self, step: StepInput) -> None:
+        """Raise a domain error for anything malformed; changes nothing."""
+        live = self.seqs
+        created: dict[int, int] = {}  # children of this step's forks -> parent
+        gone: set[int] = set()      # freed/aborted in this step
+
+        def alive(seq_id: int) -> bool:
+            return (seq_id in live or seq_id in created) and seq_id not in gone
+
+        for parent_id, children in step.forks:
+            if not alive(parent_id):
+                raise self.missing(parent_id, "fork")
+            parent = live.get(parent_id)
+            if parent is not None and parent.status is SeqStatus.SWAPPED:
+                raise FailedPrecondition(f"fork: sequence {parent_id} is swapped out")
+            if not children:
+                raise InvalidArgument("fork: no child sequence ids")
+            for child in children:
+                if alive(child) or child in created:
+                    raise AlreadyExists(f"fork: sequence {child} already exists")
+                created[child] = parent_id
+        ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
+        if ids or toks or len(offs) > 1:
+            if len(offs) != len(ids) + 1 or offs[0] != 0 or offs[-1] != len(toks):
+                raise InvalidArgument("appended: offsets must have one more entry than seq_ids and span the tokens")
+            if len(set(ids)) != len(ids):
+                raise InvalidArgument("appended: a sequence appears twice")
+            for i, seq_id in enumerate(ids):
+                seq = live.get(seq_id)  # frees come later: nothing is gone yet
+                if seq is None:
+                    if seq_id not in created:
+                        raise self.missing(seq_id, "appended")
+                    seq = live[self._origin(seq_id, created)]
+                n = offs[i + 1] - offs[i]
+                if n < 0:
+                    raise InvalidArgument("appended: offsets must not decrease")
+                if len(seq.token_ids) + n > seq.token_limit:
+                    raise InvalidArgument(f"appended: sequence {seq_id} would hold {seq.num_tokens + n} tokens, "
+                                          f"over its limit of {seq.token_limit}")
+            if toks and min(toks) < 0:
+                raise InvalidArgument("appended: token ids must be >= 0")
+            if toks and max(toks) >= min(map(_vocab_bound, self.executors.values()), default=_MAX_TOKEN_ID + 1):
+                for i, seq_id in enumerate(ids):  # rare: find whose vocabulary it leaves
+                    chunk = toks[offs[i]:offs[i + 1]]
+                    seq = live[self._origin(seq_id, created)]
+                    bound = _vocab_bound(self.executors[seq.executor_id])
+                    if chunk and max(chunk) >= bound:
+                        raise InvalidArgument(f"appended: sequence {seq_id}: token id {max(chunk)} outside the "
+                                              f"vocabulary ({bound})")
+        for what, seq_ids in (("free", step.free_seq_ids), ("abort", step.abort_seq_ids)):
+            for seq_id in seq_ids:
+                if seq_id in gone:
+                    raise FailedPrecondition(f"{what}: sequence {seq_id} is freed twice in one step")
+                if not alive(seq_id):
+                    raise self.missing(seq_id, what)
+                gone.add(seq_id)
+        new_ids = set()
+        for new in step.new_seqs:
+            if new.seq_id in new_ids or alive(new.seq_id):
+                raise AlreadyExists(f"new sequence {new.seq_id} already exists")
+            new_ids.add(new.seq_id)
+            kv = self._executor(new.executor_id)
+            if len(new.prompt_token_ids) == 0:
+                raise InvalidArgument(f"new sequence {new.seq_id}: empty prompt")
+            if min(new.prompt_token_ids) < 0:
+                raise InvalidArgument(f"new sequence {new.seq_id}: token ids must be >= 0")
+            vocab = _vocab_bound(kv)
+            if max(new.prompt_token_ids) >= vocab:
+                raise InvalidArgument(f"new sequence {new.seq_id}: token id {max(new.prompt_token_ids)} "
+                                      f"outside the vocabulary ({vocab})")
+            if new.max_total_tokens < 0:
+                raise InvalidArgument(f"new sequence {new.seq_id}: max_total_tokens must be >= 0")
+            if new.prompt_block_hashes is not None and \
+                    len(new.prompt_block_hashes) > len(new.prompt_token_ids) // kv.block_size:
+                raise InvalidArgument(f"new sequence {new.seq_id}: {len(new.prompt_block_hashes)} prompt block "
+                                      f"hashes for {len(new.prompt_token_ids) // kv.block_size} full blocks")
+            if new.max_total_tokens and new.max_total_tokens < len(new.prompt_token_ids):
+                raise InvalidArgument(f"new sequence {new.seq_id}: max_total_tokens {new.max_total_tokens} is "
+                                      f"shorter than its prompt ({len(new.prompt_token_ids)} tokens)")
+        sids, nums = step.schedule_seq_ids, step.schedule_num_tokens
+        if len(sids) != len(nums):
+            raise InvalidArgument("schedule: seq_ids and num_tokens differ in length")
+        if len(set(sids)) != len(sids):
+            raise InvalidArgument("schedule: a sequence appears twice")
+        if nums and min(nums) < 1:
+            raise InvalidArgument("schedule: num_tokens must be >= 1")
+        appended = {seq_id: offs[i + 1] - offs[i] for i, seq_id in enumerate(ids)} if ids else {}
+        waiting = SeqStatus.WAITING
+        for seq_id in sids:
+            base = live.get(seq_id)
+            if base is None or seq_id in gone or seq_id in created:
+                if seq_id in new_ids:
+                    continue
+                if not alive(seq_id):
+                    raise self.missing(seq_id, "schedule")
+                base = live[self._origin(seq_id, created)]
+            if base.status is not waiting:
+                remaining = base.num_tokens + appended.get(seq_id, 0) - base.num_computed
+                if remaining < 1:
+                    raise InvalidArgument(f"schedule: sequence {seq_id} has no token left to compute "
+                                          "(append the sampled token first)")
+
+    def _origin(self, seq_id: int, created: dict[int, int]) -> int:
+        """The live sequence whose tokens seq_id holds before this step's appends
+        (itself, or the ancestor a fork in this step copied)."""
+        while seq_id not in self.seqs:
+            seq_id = created[seq_id]
+        return seq_id
