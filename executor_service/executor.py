@@ -8,7 +8,6 @@ about policy and never imports grpc; errors are ``kvpager.errors`` types.
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import time
@@ -21,6 +20,7 @@ import torch
 from executor_service import metrics
 from executor_service.attention import load_backend
 from executor_service.config import ExecutorConfig
+from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidates
 from executor_service.kv_pool import GIB, KvPool, block_bytes, device_pool_budget, num_blocks_for_bytes
 from executor_service.model_runner import ModelRunner, resolve_device
 from executor_service.sampler import sample
@@ -69,85 +69,6 @@ class ExecutorInfo:
 def new_incarnation() -> int:
     """A fresh non-zero 63-bit number per process start (0 means 'unchecked')."""
     return secrets.randbits(63) or 1
-
-
-def keep_freed_memory() -> bool:
-    """Tell glibc malloc to keep freed memory for reuse (process-wide, idempotent).
-
-    A forward allocates and frees megabyte-sized activations and KV gathers
-    many times per step. By default glibc serves those with fresh mmaps and
-    trims freed heap tops back to the OS, so every step page-faults its
-    working set in again: measured on the 2-core CI machine, a 32-sequence
-    decode step of the 30M model spent ~1.1M minor faults per 40 steps and
-    took 58-66 ms; with a 32 MiB mmap threshold (glibc's maximum) and a 1 GiB
-    trim threshold, 0.15M faults and 33-41 ms. Returns False where mallopt is
-    not available (not glibc).
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
-    except (OSError, AttributeError):
-        return False
-
-
-def thread_candidates() -> tuple[int, ...]:
-    """Intra-op thread counts a CPU executor chooses between: every core this
-    process may run on, and one fewer (left to the control plane). An
-    explicit OMP_NUM_THREADS fixes the count."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return (torch.get_num_threads(),)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return (cores - 1, cores) if cores > 1 else (1,)
-
-
-class ThreadTuner:
-    """Picks the intra-op thread count of each CPU step from measured step times.
-
-    The executor shares its cores with the gateway, the memory service,
-    clients and whatever else the machine runs. On a quiet machine all cores
-    are fastest; when other processes want CPU, every OpenMP region waits at
-    its barrier for the thread they displaced, and one thread fewer is
-    faster. Measured on the 2-core CI machine (30M Llama, 32 prompts x 64
-    tokens): quiet, 2 threads 4.3 s vs 1 thread 5.6 s; under other load, 2
-    threads 8-41 s vs 1 thread 4.9-6.6 s. So each count is timed on the steps
-    it runs, per size class (tokens, in powers of two), the faster one is used,
-    and every ``explore_every``-th step of a class runs another to notice when
-    the load changes.
-    """
-
-    def __init__(self, candidates: tuple[int, ...], explore_every: int = 16, alpha: float = 0.3) -> None:
-        self.candidates = tuple(dict.fromkeys(candidates))
-        self.explore_every = explore_every
-        self.alpha = alpha
-        self._ema: dict[tuple[int, int], float] = {}  # (size class, threads) -> seconds per step
-        self._seen: dict[int, int] = {}               # steps per size class
-
-    def choose(self, num_tokens: int) -> int:
-        if len(self.candidates) == 1:
-            return self.candidates[0]
-        size = num_tokens.bit_length()
-        n = self._seen.get(size, 0)
-        self._seen[size] = n + 1
-        for t in self.candidates:
-            if (size, t) not in self._ema:
-                return t
-        best = min(self.candidates, key=lambda t: self._ema[(size, t)])
-        if n % self.explore_every == 0:
-            others = [t for t in self.candidates if t != best]
-            return others[(n // self.explore_every) % len(others)]
-        return best
-
-    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
-        key = (num_tokens.bit_length(), threads)
-        old = self._ema.get(key)
-        self._ema[key] = seconds if old is None else old + self.alpha * (seconds - old)
 
 
 def _backend_name(requested: str, device: torch.device) -> str:

@@ -1,6 +1,9 @@
 """Triton paged attention: query-tiled kernel for prefill/mixed batches and a
 flash-decoding (split-KV) pair of kernels for decode-only batches.
 
+One concept (one module past the usual size): both paths share the block
+table walk, the masking and the launcher that picks between them.
+
 Shapes (see docs/kernels.md):
   q, out:        [T, H, D]          all sequences' new tokens, flattened
   k/v cache:     [NB, BS, KVH, D]   any strides (per-layer pool views)

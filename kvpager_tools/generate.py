@@ -1,9 +1,11 @@
 """`kvpager generate`: stream completions from a running gateway.
 
-Also the small client pieces other code reuses: ``build_request`` (sampling
-flags -> ``GenerateRequest``), ``stream_generate`` (one streamed call,
-completions collected by index), ``generate`` (the same, blocking) and
-``run_demo`` (the parallel streaming demo of ``kvpager up --demo``).
+Also the one client helper everything that streams reuses (the CLI, the
+demo, the drills, the benchmarks' load generator, the tests):
+``build_request`` (sampling flags -> ``GenerateRequest``), ``stream_generate``
+(one streamed call: completions by index, token arrival times, the final
+status), ``generate`` (the same, blocking) and ``run_demo`` (the parallel
+streaming demo of ``kvpager up --demo``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 
 
@@ -26,9 +29,56 @@ class Completion:
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"; None while running
     usage: dict[str, int] = dataclasses.field(default_factory=dict)
     request_id: str = ""
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish: int = 0                    # the FinishReason number (0 while running)
+    chunk_times: list[float] = dataclasses.field(default_factory=list)  # perf_counter of each response with tokens
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("finish", "chunk_times")}
+
+
+@dataclasses.dataclass(slots=True)
+class Stream:
+    """How one Generate call went: its completions, its timing, its status."""
+
+    status: str = "OK"                 # "OK", "CANCELLED" (by cancel_after_tokens) or a gRPC status name
+    details: str = ""
+    retry_after_s: str | None = None   # the server's hint with RESOURCE_EXHAUSTED / UNAVAILABLE
+    completions: dict[int, Completion] = dataclasses.field(default_factory=dict)
+    started_s: float = 0.0             # perf_counter when the call started
+    first_s: float | None = None       # ... when the first tokens arrived
+    ended_s: float = 0.0               # ... when the stream ended
+
+    @property
+    def ordered(self) -> list[Completion]:
+        return [self.completions[i] for i in sorted(self.completions)]
+
+    @property
+    def tokens(self) -> dict[int, list[int]]:
+        return {i: c.token_ids for i, c in self.completions.items()}
+
+    @property
+    def finish(self) -> dict[int, int]:
+        return {i: c.finish for i, c in self.completions.items() if c.finish}
+
+    @property
+    def first(self) -> list[int]:
+        """Completion 0's tokens."""
+        c = self.completions.get(0)
+        return c.token_ids if c is not None else []
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        c = self.completions.get(0)
+        return c.usage.get("cached_prompt_tokens", 0) if c is not None else 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_s is None else self.first_s - self.started_s
+
+    @property
+    def total_s(self) -> float:
+        return self.ended_s - self.started_s
 
 
 def build_request(
@@ -79,26 +129,67 @@ async def stream_generate(
     timeout_s: float | None = None,
     metadata=None,
     on_chunk: Callable[[object, Completion], None] | None = None,
-) -> list[Completion]:
-    """Runs one ``Generate`` on an aio ``GatewayStub``; returns completions by index.
+    on_first: Callable[[], None] | None = None,
+    cancel_after_tokens: int | None = None,
+    raise_errors: bool = True,
+) -> Stream:
+    """Runs one ``Generate`` on an aio ``GatewayStub``.
 
     Args:
         on_chunk: called with (response, its completion so far) per response,
             for printing as tokens arrive.
+        on_first: called once when the first tokens arrive.
+        cancel_after_tokens: cancel the call (client side) once this many
+            tokens arrived; the status is then CANCELLED.
+        raise_errors: re-raise a failed call (else its status is recorded).
     Raises:
-        grpc.aio.AioRpcError: the call failed.
+        grpc.aio.AioRpcError: the call failed (with ``raise_errors``).
     """
-    completions: dict[int, Completion] = {}
-    async for resp in stub.Generate(request, timeout=timeout_s, metadata=metadata):
-        c = completions.setdefault(resp.index, Completion(index=resp.index, request_id=resp.request_id))
-        c.text += resp.text
-        c.token_ids.extend(resp.token_ids)
-        if resp.finish_reason:
-            c.finish_reason = _finish_name(resp.finish_reason)
-            c.usage = {f.name: getattr(resp.usage, f.name) for f in resp.usage.DESCRIPTOR.fields}
-        if on_chunk is not None:
-            on_chunk(resp, c)
-    return [completions[i] for i in sorted(completions)]
+    import asyncio
+
+    import grpc
+
+    out = Stream(started_s=time.perf_counter())
+    call = stub.Generate(request, timeout=timeout_s, metadata=metadata)
+    seen = 0
+    try:
+        async for resp in call:
+            now = time.perf_counter()
+            c = out.completions.get(resp.index)
+            if c is None:
+                c = out.completions[resp.index] = Completion(index=resp.index, request_id=resp.request_id)
+            c.text += resp.text
+            if resp.token_ids:
+                c.token_ids.extend(resp.token_ids)
+                c.chunk_times.append(now)
+                seen += len(resp.token_ids)
+                if out.first_s is None:
+                    out.first_s = now
+                    if on_first is not None:
+                        on_first()
+            c.logprobs.extend(resp.logprobs)
+            if resp.finish_reason:
+                c.finish = resp.finish_reason
+                c.finish_reason = _finish_name(resp.finish_reason)
+                c.usage = {f.name: getattr(resp.usage, f.name) for f in resp.usage.DESCRIPTOR.fields}
+            if on_chunk is not None:
+                on_chunk(resp, c)
+            if cancel_after_tokens is not None and seen >= cancel_after_tokens:
+                call.cancel()
+                out.status = "CANCELLED"
+                break
+    except grpc.aio.AioRpcError as err:
+        if raise_errors:
+            raise
+        out.status = err.code().name
+        out.details = err.details() or ""
+        out.retry_after_s = dict(err.trailing_metadata() or ()).get("retry-after-s")
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    finally:
+        out.ended_s = time.perf_counter()
+    return out
 
 
 def generate(address: str, prompt: str, *, token: str | None = None, timeout_s: float | None = 120.0,
@@ -112,7 +203,7 @@ def generate(address: str, prompt: str, *, token: str | None = None, timeout_s: 
     async def main() -> list[Completion]:
         async with make_channel(address, token=token) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
-            return await stream_generate(stub, build_request(prompt, **sampling), timeout_s=timeout_s)
+            return (await stream_generate(stub, build_request(prompt, **sampling), timeout_s=timeout_s)).ordered
 
     return asyncio.run(main())
 
@@ -194,8 +285,8 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> list[Completion]:
         async with make_channel(args.address, tls=tls, token=token) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
-            return await stream_generate(stub, request_from_args(args), timeout_s=args.timeout_s,
-                                         on_chunk=on_chunk)
+            return (await stream_generate(stub, request_from_args(args), timeout_s=args.timeout_s,
+                                          on_chunk=on_chunk)).ordered
 
     try:
         completions = asyncio.run(main())
@@ -269,7 +360,7 @@ async def run_demo(address: str, console, *, timeout_s: float = 300.0, tls=None,
             async def one(r: int) -> list[Completion]:
                 text, sampling = DEMO_REQUESTS[r]
                 request = build_request(SYSTEM_PROMPT + text, **sampling)
-                return await stream_generate(stub, request, timeout_s=timeout_s, on_chunk=watcher(r))
+                return (await stream_generate(stub, request, timeout_s=timeout_s, on_chunk=watcher(r))).ordered
 
             # The first request alone warms the prefix cache; the rest share it.
             first = await one(0)

@@ -15,6 +15,7 @@ period, then SIGKILL). Tests, benchmarks and drills use ``Stack`` directly::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
 import signal
@@ -124,6 +125,85 @@ class StackError(RuntimeError):
     def __init__(self, child: str, reason: str, log_path: Path | None, log_tail: str) -> None:
         super().__init__(f"{child}: {reason}")
         self.child, self.reason, self.log_path, self.log_tail = child, reason, log_path, log_tail
+
+
+async def wait_routed(gateway_address: str, num_executors: int, *, tls=None, token: str | None = None,
+                      timeout_s: float = 60.0, check=None) -> None:
+    """Until the gateway at ``gateway_address`` routes to ``num_executors``
+    executors (GetModelInfo); ``check()``, when given, runs every round and
+    may raise (a child died). Raises TimeoutError."""
+    import asyncio
+
+    import grpc
+
+    from kvpager.channel import make_channel
+    from kvpager.v1 import gateway_pb2, gateway_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    seen = 0
+    async with make_channel(gateway_address, tls=tls, token=token) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        while True:
+            if check is not None:
+                check()
+            try:
+                seen = (await stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)).num_executors
+                if seen >= num_executors:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway routes to {seen} of {num_executors} executors after {timeout_s:g}s")
+            await asyncio.sleep(0.1)
+
+
+@dataclasses.dataclass
+class StackOptions:
+    """A local stack as benchmarks and drills describe it (``kvpager drill
+    NAME --help`` lists these as flags); ``config()`` is its StackConfig.
+    Zero or empty means the service's own default."""
+
+    model: str = dataclasses.field(default="", metadata={"help": "checkpoint dir (default: the demo model)"})
+    executors: int = dataclasses.field(default=1, metadata={"help": "executors (a drill takes at least what it needs)"})
+    num_blocks: int = dataclasses.field(default=0, metadata={"help": "KV blocks per executor (0: its own sizing)"})
+    block_size: int = 16
+    swap_blocks: int = dataclasses.field(default=-1, metadata={"help": "CPU swap blocks per executor (-1: its own)"})
+    max_model_len: int = dataclasses.field(default=0, metadata={"help": "context limit of the executors (0: the model's)"})
+    max_batch_tokens: int = dataclasses.field(default=0, metadata={"help": "gateway: tokens per executor and step"})
+    max_running: int = dataclasses.field(default=0, metadata={"help": "gateway: sequences per executor and step"})
+    routing: str = dataclasses.field(default="", metadata={"help": "gateway: prefix | round-robin"})
+    metrics: bool = dataclasses.field(default=False, metadata={"help": "Prometheus endpoints on"})
+    gateway_args: str = dataclasses.field(default="", metadata={"help": "extra gateway flags, one string"})
+    executor_args: str = dataclasses.field(default="", metadata={"help": "extra executor flags, one string"})
+    log_dir: str = dataclasses.field(default="", metadata={"help": "child logs (default: a temp dir)"})
+    log_level: str = dataclasses.field(default="WARNING", metadata={"help": "children's log level"})
+    secure: bool = dataclasses.field(default=False, metadata={
+        "help": "mutual TLS (certs from scripts/make-dev-ca.sh) + gateway and admin tokens on every service"})
+    cert_dir: str = dataclasses.field(default="", metadata={
+        "help": "with --secure: the certificates of scripts/make-dev-ca.sh DIR (default: fresh ones)"})
+    seed: int = 0
+
+    def config(self, *, security=None, extra: dict[str, list[str]] | None = None, **overrides) -> StackConfig:
+        """The StackConfig on free ports; ``extra``: more flags per role."""
+        import shlex
+
+        args: dict[str, list[str]] = {"memory": [], "executor": shlex.split(self.executor_args),
+                                      "gateway": shlex.split(self.gateway_args)}
+        if self.max_model_len:
+            args["executor"] += ["--max-model-len", str(self.max_model_len)]
+        for flag, value in (("--max-batch-tokens", self.max_batch_tokens), ("--max-running", self.max_running),
+                            ("--routing", self.routing)):
+            if value:
+                args["gateway"] += [flag, str(value)]
+        for role, flags in (extra or {}).items():
+            args[role] += flags
+        fields = dict(model=self.model or None, num_executors=self.executors, num_blocks=self.num_blocks or None,
+                      block_size=self.block_size, swap_blocks=None if self.swap_blocks < 0 else self.swap_blocks,
+                      log_dir=self.log_dir or None, log_level=self.log_level,
+                      metrics_base_port=0 if self.metrics else None, security=security,
+                      extra_args={role: flags for role, flags in args.items() if flags})
+        fields.update(overrides)
+        return StackConfig(**fields).on_free_ports()
 
 
 def build_children(config: StackConfig) -> list[ChildSpec]:
@@ -420,33 +500,14 @@ class Stack:
     async def _wait_executors_routed(self) -> None:
         """Until the gateway routes to every executor (it learns them from the
         memory service's registry; SERVING needs only one)."""
-        import asyncio
-
-        import grpc
-
-        from kvpager.channel import make_channel
-        from kvpager.v1 import gateway_pb2, gateway_pb2_grpc
-
         gateway = next(c for c in self.children if c.role == "gateway")
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        seen = 0
         security = self.config.security
-        async with make_channel(gateway.address, tls=self.client_tls,
-                                token=security.auth_token if security else None) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-            while True:
-                self._check_all_alive()
-                try:
-                    info = await stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
-                    seen = info.num_executors
-                    if seen >= self.config.num_executors:
-                        return
-                except grpc.aio.AioRpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise self._error(gateway, f"routes to {seen} of {self.config.num_executors} executors "
-                                               f"after {self.config.ready_timeout_s:g}s")
-                await asyncio.sleep(0.1)
+        try:
+            await wait_routed(gateway.address, self.config.num_executors, tls=self.client_tls,
+                              token=security.auth_token if security else None,
+                              timeout_s=self.config.ready_timeout_s, check=self._check_all_alive)
+        except TimeoutError as exc:
+            raise self._error(gateway, str(exc)) from None
 
     def _check_all_alive(self) -> None:
         # Any child, not only this tier's: executors never become SERVING
@@ -498,6 +559,84 @@ def _accepts(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+# --- the same services in this process (tests) -----------------------------------------------
+
+
+@dataclasses.dataclass
+class InProcessStack:
+    """The three services in this process, on one event loop and loopback gRPC:
+    for tests that look inside them (the engine, the manager). ``Stack`` runs
+    them as child processes instead."""
+
+    memory: object      # memory_service.service.MemoryServer
+    executors: list     # executor_service.service.ExecutorServer each
+    gateway: object     # gateway.service.GatewayServer
+    channels: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from kvpager.channel import make_channel
+        from kvpager.v1 import gateway_pb2_grpc, memory_pb2_grpc
+
+        gch = make_channel(self.gateway.address)
+        mch = make_channel(self.memory.address)
+        self.channels = [gch, mch]
+        self.gw = gateway_pb2_grpc.GatewayStub(gch)
+        self.mem = memory_pb2_grpc.MemoryServiceStub(mch)
+
+    async def accounting(self):
+        from kvpager.v1 import memory_pb2
+
+        return (await self.mem.GetAccounting(memory_pb2.AccountingRequest())).total
+
+    async def wait_idle(self, timeout_s: float = 10.0):
+        """Until every block is free (finished/aborted sequences are released
+        in the step after they end)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            t = await self.accounting()
+            if t.used_blocks == 0 and t.num_sequences == 0 and t.num_swapped_sequences == 0:
+                return t
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"blocks not released: {t}")
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        for ch in self.channels:
+            await ch.close()
+        await self.gateway.stop(0)
+        for ex in self.executors:
+            await ex.stop(0)
+        await self.memory.stop(0)
+
+
+async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 96, block_size: int = 4,
+                           swap_blocks: int = 64, swap_min_tokens: int = 256, redis_url: str | None = None,
+                           **engine_kw) -> InProcessStack:
+    """Memory service, ``executors`` executors and a gateway (EngineConfig ``engine_kw``) in this
+    process; returns once the gateway routes to every executor."""
+    import asyncio
+
+    from executor_service.config import ExecutorConfig
+    from executor_service.service import start_executor_server
+    from gateway.engine import EngineConfig
+    from gateway.service import GatewayConfig, GatewayServer
+    from memory_service.service import MemoryConfig, MemoryServer
+
+    memory = await MemoryServer(MemoryConfig(port=0, swap_min_tokens=swap_min_tokens, redis_url=redis_url)).start()
+    exs = []
+    for i in range(executors):
+        exs.append(await start_executor_server(ExecutorConfig(
+            model=model, executor_id=f"executor-{i}", memory_address=memory.address, num_blocks=num_blocks,
+            block_size=block_size, swap_blocks=swap_blocks)))
+    engine_kw.setdefault("executor_refresh_s", 0.2)
+    gateway = await GatewayServer(GatewayConfig(model=model, memory_address=memory.address, port=0,
+                                                redis_url=redis_url, engine=EngineConfig(**engine_kw))).start()
+    await gateway.wait_ready(30)
+    while len(gateway.engine.executors) < executors:
+        await asyncio.sleep(0.05)
+    return InProcessStack(memory, exs, gateway)
 
 
 # --- `kvpager up` -----------------------------------------------------------------

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvpager import protogen
+from kvpager_tools import protogen
 
 pytest.importorskip("grpc_tools")
 
-STALE = "stubs are stale: run `python -m kvpager.protogen`"
+STALE = "stubs are stale: run `python -m kvpager_tools.protogen`"
 
 
 def test_committed_stubs_match_protos(tmp_path):

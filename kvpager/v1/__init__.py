@@ -1,1 +1,1 @@
-"""Generated gRPC stubs; regenerate with `python -m kvpager.protogen`."""
+"""Generated gRPC stubs; regenerate with `python -m kvpager_tools.protogen`."""

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpager_tools.generate import stream_generate
+from kvpager_tools.stack import StackOptions
 from kvpager_tools.stats import percentile
 
 # ShareGPT-like lengths (memory_service/bench.py TRACES): lognormal, input mean
@@ -180,61 +182,19 @@ def median_of(runs: list[dict], key: str):
 # ---- the embedded stack -----------------------------------------------------------
 
 
-@dataclass
-class StackOptions:
-    model: str
-    num_executors: int = 1
-    num_blocks: int | None = None
-    block_size: int = 16
-    max_batch_tokens: int | None = None
-    max_running: int | None = None
-    routing: str | None = None
-    metrics: bool = False          # Prometheus endpoints on (scrape with `scrape`)
-    gateway_args: list[str] = field(default_factory=list)
-    executor_args: list[str] = field(default_factory=list)
-
-
 @contextlib.contextmanager
 def embedded_stack(opts: StackOptions):
     """Memory service + executors + gateway as child processes on free
-    loopback ports (kvpager_tools.stack.Stack). Yields the Stack."""
-    from kvpager_tools.stack import Stack, StackConfig
+    loopback ports (kvpager_tools.stack.Stack; it returns once the gateway
+    routes to every executor). Yields the Stack."""
+    from kvpager_tools.stack import Stack
 
-    gw = list(opts.gateway_args)
-    if opts.max_batch_tokens is not None:
-        gw += ["--max-batch-tokens", str(opts.max_batch_tokens)]
-    if opts.max_running is not None:
-        gw += ["--max-running", str(opts.max_running)]
-    if opts.routing is not None:
-        gw += ["--routing", opts.routing]
-    ex = list(opts.executor_args)
-    cfg = StackConfig(model=str(opts.model), num_executors=opts.num_executors, num_blocks=opts.num_blocks,
-                      block_size=opts.block_size, log_level="WARNING", metrics_base_port=0 if opts.metrics else None,
-                      extra_args={"gateway": gw, "executor": ex}).on_free_ports()
-    stack = Stack(cfg)
+    stack = Stack(opts.config())
     stack.start()
     try:
-        asyncio.run(_wait_executors(stack.addresses.gateway, opts.num_executors))
         yield stack
     finally:
         stack.stop()
-
-
-async def _wait_executors(gateway: str, num: int, timeout_s: float = 60.0) -> None:
-    """The gateway is SERVING with one executor; wait until it sees all."""
-    from kvpager.channel import make_channel
-    from kvpager.v1 import gateway_pb2, gateway_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    async with make_channel(gateway) as ch:
-        stub = gateway_pb2_grpc.GatewayStub(ch)
-        while True:
-            info = await stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
-            if info.num_executors >= num:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gateway sees {info.num_executors} of {num} executors")
-            await asyncio.sleep(0.1)
 
 
 def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
@@ -386,25 +346,22 @@ async def run_load(address: str, requests: list[BenchRequest], *, rate: float = 
             async with (sem if sem is not None else contextlib.nullcontext()):
                 in_flight += 1
                 peak = max(peak, in_flight)
-                rec.start_s = time.perf_counter()
                 msg = gateway_pb2.GenerateRequest(
                     prompt_token_ids=req.prompt_ids, request_id=f"bench-{seed}-{cache_salt}-{i}", cache_salt=cache_salt,
                     sampling_params=common_pb2.SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
                                                               ignore_eos=ignore_eos))
                 try:
-                    async for r in stub.Generate(msg, timeout=timeout_s):
-                        if r.token_ids:
-                            now = time.perf_counter()
-                            if rec.first_s is None:
-                                rec.first_s = now
-                            rec.chunk_s.append(now)
-                            rec.token_ids.extend(r.token_ids)
-                        if r.finish_reason:
-                            rec.cached_tokens = r.usage.cached_prompt_tokens
-                    rec.end_s = time.perf_counter()
-                    rec.num_out = len(rec.token_ids)
-                except Exception as exc:  # grpc.aio.AioRpcError: recorded, the run goes on
-                    rec.error = f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}"
+                    out = await stream_generate(stub, msg, timeout_s=timeout_s, raise_errors=False)
+                    rec.start_s, rec.first_s = out.started_s, out.first_s
+                    c = out.completions.get(0)
+                    if c is not None:
+                        rec.chunk_s, rec.token_ids = c.chunk_times, c.token_ids
+                        rec.cached_tokens = c.usage.get("cached_prompt_tokens", 0)
+                    if out.status == "OK":
+                        rec.end_s = out.ended_s
+                        rec.num_out = len(rec.token_ids)
+                    else:
+                        rec.error = f"{out.status}: {out.details}"
                 finally:
                     in_flight -= 1
             if on_done is not None:

@@ -177,7 +177,7 @@ def compare(model: str, prompts: list[list[int]], max_new_tokens: int, *, repeat
     times: dict[str, list[float]] = {k: [] for k in ("kvpager", *peers)}
     kv_outs: list[list[int]] = []
     seq_outs: list[list[int]] = []
-    opts = StackOptions(model=model, num_blocks=num_blocks, block_size=bs, max_batch_tokens=max_batch_tokens,
+    opts = StackOptions(model=model, num_blocks=num_blocks, block_size=bs, max_batch_tokens=max_batch_tokens or 0,
                         max_running=max_running, metrics=True)
     breakdowns: list[dict] = []
     progress(NAME, f"{n} prompts x {max_new_tokens} tokens; starting the stack")

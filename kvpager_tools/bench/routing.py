@@ -48,7 +48,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_routing(routing: str, model: str, requests, args) -> dict:
-    opts = bc.StackOptions(model=model, num_executors=args.executors, num_blocks=args.num_blocks,
+    opts = bc.StackOptions(model=model, executors=args.executors, num_blocks=args.num_blocks or 0,
                            routing=routing)
     with bc.embedded_stack(opts) as stack:
         a = stack.addresses

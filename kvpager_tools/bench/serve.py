@@ -258,8 +258,8 @@ def serve(args: argparse.Namespace, console=None) -> dict:
     else:
         model = str(bc.model_dir(args.model))
         config["model"] = model
-        opts = bc.StackOptions(model=model, num_executors=args.executors, num_blocks=args.num_blocks,
-                               max_batch_tokens=args.max_batch_tokens, max_running=args.max_running)
+        opts = bc.StackOptions(model=model, executors=args.executors, num_blocks=args.num_blocks or 0,
+                               max_batch_tokens=args.max_batch_tokens or 0, max_running=args.max_running or 0)
         if console is not None:
             console.print(f"starting the stack: {args.executors} executor(s), {model}", style="dim")
         with bc.embedded_stack(opts) as stack:

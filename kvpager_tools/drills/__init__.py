@@ -26,13 +26,13 @@ import sys
 
 from kvpager_tools.drills import runner as _runner
 from kvpager_tools.drills.common import DrillResult
-from kvpager_tools.drills.runner import (DRILLS, Needs, StackOptions, add_option_flags, drill_stack, options_from_args,
-                                   run_drill)
+from kvpager_tools.drills.runner import (DRILL_DEFAULTS, DRILLS, Needs, StackOptions, add_option_flags, drill_options,
+                                         drill_stack, options_from_args, run_drill)
 
 # Not `load` here: importing the submodule kvpager_tools.drills.load rebinds that name.
 _load = _runner.load
 
-__all__ = ["DRILLS", "DrillResult", "Needs", "StackOptions", "drill_stack", "register", "run_drill"]
+__all__ = ["DRILLS", "DrillResult", "Needs", "StackOptions", "drill_options", "drill_stack", "register", "run_drill"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         d = drills.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         d.add_argument("--json", action="store_true", help="print only the JSON summary")
         add_option_flags(d, module.Options, f"{name} options")
-        add_option_flags(d, StackOptions, "stack")
+        add_option_flags(d, StackOptions, "stack", DRILL_DEFAULTS)
         d.set_defaults(func=main, drill_name=name)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 

@@ -20,6 +20,7 @@ import grpc
 import grpc.aio
 
 from kvpager.channel import make_channel
+from kvpager_tools.generate import Stream, stream_generate
 from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, memory_pb2, memory_pb2_grpc
 
 # Never acceptable from any service: a crash or an unmapped exception.
@@ -157,25 +158,6 @@ def greedy_request(prompt_ids, max_tokens: int, **kw) -> gateway_pb2.GenerateReq
         sampling_params=sampling(max_tokens=max_tokens, ignore_eos=True, **kw))
 
 
-@dataclasses.dataclass
-class Outcome:
-    """How one Generate stream ended."""
-
-    status: str                                       # "OK" or a status code name
-    tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # completion index -> tokens
-    finish: dict[int, int] = dataclasses.field(default_factory=dict)
-    details: str = ""
-    cached_prompt_tokens: int = 0
-    ttft_s: float | None = None                       # first token after the call started
-    total_s: float = 0.0
-    ended_at: float = 0.0                             # monotonic time the stream ended
-    retry_after_s: str | None = None
-
-    @property
-    def first(self) -> list[int]:
-        return self.tokens.get(0, [])
-
-
 class Clients:
     """aio channels to the stack's gateway and memory service (and executors),
     with its TLS and tokens. Create inside the running loop; ``close`` after."""
@@ -205,45 +187,10 @@ class Clients:
         return await self.gateway.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=timeout_s)
 
     async def generate(self, request: gateway_pb2.GenerateRequest, *, timeout_s: float | None = 120.0,
-                       cancel_after_tokens: int | None = None, on_first=None) -> Outcome:
-        """One streamed Generate, never raising for a gRPC status.
-
-        Args:
-            cancel_after_tokens: cancel the call (client side) once this many
-                tokens arrived; the outcome is then CANCELLED.
-            on_first: called once when the first tokens arrive.
-        """
-        t0 = time.monotonic()
-        out = Outcome("OK")
-        call = self.gateway.Generate(request, timeout=timeout_s)
-        seen = 0
-        try:
-            async for resp in call:
-                if resp.token_ids and out.ttft_s is None:
-                    out.ttft_s = time.monotonic() - t0
-                    if on_first is not None:
-                        on_first()
-                out.tokens.setdefault(resp.index, []).extend(resp.token_ids)
-                seen += len(resp.token_ids)
-                if resp.finish_reason:
-                    out.finish[resp.index] = resp.finish_reason
-                    if resp.index == 0:
-                        out.cached_prompt_tokens = resp.usage.cached_prompt_tokens
-                if cancel_after_tokens is not None and seen >= cancel_after_tokens:
-                    call.cancel()
-                    out.status = "CANCELLED"
-                    break
-        except grpc.aio.AioRpcError as err:
-            out.status = err.code().name
-            out.details = err.details() or ""
-            trailing = err.trailing_metadata() or ()
-            out.retry_after_s = dict(trailing).get("retry-after-s")
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        out.total_s = time.monotonic() - t0
-        out.ended_at = time.monotonic()
-        return out
+                       cancel_after_tokens: int | None = None, on_first=None) -> Stream:
+        """One streamed Generate, never raising for a gRPC status (the Stream says how it ended)."""
+        return await stream_generate(self.gateway, request, timeout_s=timeout_s, on_first=on_first,
+                                     cancel_after_tokens=cancel_after_tokens, raise_errors=False)
 
 
 # --- the environment --------------------------------------------------------------------------------------
@@ -299,7 +246,7 @@ class DrillEnv:
             self.references[key] = out.first
         return self.references[key]
 
-    def check_output(self, result: DrillResult, prompt_ids, max_tokens: int, out: Outcome) -> None:
+    def check_output(self, result: DrillResult, prompt_ids, max_tokens: int, out: Stream) -> None:
         """A completed greedy stream must equal its undisturbed reference."""
         key = (tuple(prompt_ids), max_tokens)
         ref = self.references.get(key)
@@ -397,20 +344,6 @@ def random_prompt(rng: random.Random, vocab_size: int, length: int, prefix=()) -
     """``prefix`` + random ordinary token ids, ``length`` tokens in all."""
     tail = [rng.randrange(FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(max(0, length - len(prefix)))]
     return [*prefix, *tail]
-
-
-async def wait_routed(clients: Clients, num_executors: int, timeout_s: float = 60.0) -> None:
-    """Until the gateway routes to ``num_executors`` executors."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if (await clients.model_info()).num_executors >= num_executors:
-                return
-        except grpc.aio.AioRpcError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gateway does not route to {num_executors} executors after {timeout_s:g}s")
-        await asyncio.sleep(0.1)
 
 
 async def start_streams(clients: Clients, prompts: list[list[int]], max_tokens: int,

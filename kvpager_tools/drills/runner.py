@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvpager_tools.drills.common import DrillEnv, DrillResult
+from kvpager_tools.stack import StackOptions
 
 # drill name -> module under kvpager_tools.drills
 DRILLS = {
@@ -43,23 +44,13 @@ class Needs:
         return Needs(max(self.executors, other.executors), self.redis or other.redis)
 
 
-@dataclasses.dataclass
-class StackOptions:
-    """The stack a drill runs on (``kvpager drill NAME --help`` lists them)."""
+# The stack a drill runs on unless told otherwise (executors 0: what the drill needs).
+DRILL_DEFAULTS = dict(executors=0, num_blocks=512, swap_blocks=128, max_model_len=512, log_level="INFO")
 
-    executors: int = dataclasses.field(default=0, metadata={"help": "0 = what the drill needs"})
-    num_blocks: int = dataclasses.field(default=512, metadata={"help": "KV blocks per executor"})
-    block_size: int = 16
-    swap_blocks: int = 128
-    max_model_len: int = dataclasses.field(default=512, metadata={"help": "context limit of the executors"})
-    model: str = dataclasses.field(default="", metadata={"help": "checkpoint dir (default: the demo model)"})
-    log_dir: str = dataclasses.field(default="", metadata={"help": "child logs (default: a temp dir)"})
-    secure: bool = dataclasses.field(default=False, metadata={
-        "help": "mutual TLS (certs from scripts/make-dev-ca.sh) + gateway and admin tokens on every service"})
-    cert_dir: str = dataclasses.field(default="", metadata={
-        "help": "with --secure: the certificates of scripts/make-dev-ca.sh DIR (default: fresh ones)"})
-    seed: int = 0
-    gateway_args: str = dataclasses.field(default="", metadata={"help": "extra gateway flags, one string"})
+
+def drill_options(**options) -> StackOptions:
+    """StackOptions with the drills' defaults, overridden by ``options``."""
+    return StackOptions(**{**DRILL_DEFAULTS, **options})
 
 
 def load(name: str):
@@ -96,9 +87,9 @@ def drill_stack(needs: Needs, options: StackOptions | None = None, **config_over
         kvpager_tools.stack.StackError: a service did not come up.
         FileNotFoundError: Redis is needed and redis-server is missing.
     """
-    from kvpager_tools.stack import Stack, StackConfig
+    from kvpager_tools.stack import Stack
 
-    opts = options or StackOptions()
+    opts = options or drill_options()
     redis = None
     tmp = tempfile.TemporaryDirectory(prefix="kvpager-drill-")
     stack = None
@@ -107,18 +98,12 @@ def drill_stack(needs: Needs, options: StackOptions | None = None, **config_over
             from kvpager_tools.redis_server import RedisServer
 
             redis = RedisServer().start()
-        extra = {"executor": ["--max-model-len", str(opts.max_model_len)],
-                 "gateway": opts.gateway_args.split() if opts.gateway_args else []}
-        if redis is not None:
-            # Only the memory service mirrors; the gateway keeps scoring by ScorePrefix.
-            extra["memory"] = ["--redis-url", redis.url]
+        # Only the memory service mirrors; the gateway keeps scoring by ScorePrefix.
+        extra = {"memory": ["--redis-url", redis.url]} if redis is not None else {}
         certs = Path(opts.cert_dir) if opts.cert_dir else None
         security = secure_config(certs or dev_certs(Path(tmp.name) / "certs")) if opts.secure else None
-        config = StackConfig(
-            model=opts.model or None, num_executors=max(opts.executors, needs.executors),
-            num_blocks=opts.num_blocks, block_size=opts.block_size, swap_blocks=opts.swap_blocks,
-            log_dir=opts.log_dir or None, extra_args=extra, security=security, grace_s=5.0,
-            **config_overrides).on_free_ports()
+        config = opts.config(security=security, extra=extra, num_executors=max(opts.executors, needs.executors),
+                             grace_s=5.0, **config_overrides)
         stack = Stack(config).start()
         yield DrillEnv(stack=stack, redis=redis, seed=opts.seed)
     finally:
@@ -151,16 +136,17 @@ def run_drill(env: DrillEnv, name: str, **options) -> DrillResult:
 # --- flags from option dataclasses ----------------------------------------------------------------------
 
 
-def add_option_flags(p: argparse.ArgumentParser, cls, title: str) -> None:
+def add_option_flags(p: argparse.ArgumentParser, cls, title: str, defaults: dict | None = None) -> None:
     g = p.add_argument_group(title)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         help_ = f.metadata.get("help", "")
+        default = (defaults or {}).get(f.name, f.default)
         if isinstance(f.default, bool):
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                            help=help_ or None)
         else:
-            g.add_argument(flag, dest=f.name, type=type(f.default), default=f.default,
+            g.add_argument(flag, dest=f.name, type=type(f.default), default=default,
                            help=f"{help_} (default: %(default)s)".strip())
 
 

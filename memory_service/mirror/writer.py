@@ -1,5 +1,10 @@
 """The mirror writer: KV events -> Redis, off the hot path.
 
+One concept (hence one module past the usual size): the write-behind
+writer's state machine — hooks, the flush loop, fencing by batch number,
+failure and full resync share the shadow index and the per-executor batch
+counters, and are only correct together.
+
 The allocator appends events to the manager's EventQueue (no I/O). The
 memory service's hooks (`on_step`, `on_register`, …) only set flags and wake
 this task. Each wake-up, after a short coalescing window, the writer drains

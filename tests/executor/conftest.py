@@ -6,7 +6,7 @@
   127.0.0.1:0 via ServiceRuntime) running on one background event loop, one
   per (checkpoint, backend), shared by the session; tests talk to them with
   ordinary blocking stubs.
-* Helpers (``Plan``, ``Oracle``, ``prompts`` ...) live in executor_harness.py.
+* Helpers (``Plan``, ``prompts`` ...) live in executor_harness.py; the oracle in tests/oracle.py.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from executor_harness import (
     NUM_BLOCKS,
     SWAP_BLOCKS,
     LoopThread,
-    Oracle,
     Served,
     triton_available,
 )
 
 from kvpager.v1 import executor_pb2, executor_pb2_grpc
+from oracle import Oracle
 
 # ---------------------------------------------------------------- checkpoints
 
@@ -55,7 +55,7 @@ def oracle(checkpoints):
 
     def get(name: str) -> Oracle:
         if name not in cache:
-            cache[name] = Oracle(checkpoints(name))
+            cache[name] = Oracle(checkpoints(name), fixed_length=True)
         return cache[name]
 
     return get

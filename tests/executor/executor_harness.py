@@ -5,8 +5,6 @@
   executor's tables need: a start (whole table, tokens in cache) for a
   sequence it does not hold as the test now has it, an extend when only the
   table grew or its tail was replaced, a fork op, drops.
-* ``Oracle`` is transformers' own ``generate(do_sample=False)`` on the same
-  checkpoint, fp32, eager attention.
 * ``LoopThread`` runs the session's gRPC servers on one background loop.
 """
 
@@ -39,39 +37,6 @@ def triton_available() -> bool:
         return True
     except Exception:  # noqa: BLE001 - not written yet / no triton
         return False
-
-
-class Oracle:
-    """transformers' generate, greedy, fp32, eager attention; memoised."""
-
-    def __init__(self, path: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-        self._memo: dict[tuple, list[int]] = {}
-
-    def greedy(self, prompt: list[int], num_new: int) -> list[int]:
-        key = (tuple(prompt), num_new)
-        if key not in self._memo:
-            from transformers import GenerationConfig
-
-            torch = self.torch
-            ids = torch.tensor([prompt])
-            gen = GenerationConfig(max_new_tokens=num_new, do_sample=False, eos_token_id=None, pad_token_id=2)
-            with torch.no_grad():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-            self._memo[key] = out[0, len(prompt):].tolist()
-            assert len(self._memo[key]) == num_new
-        return self._memo[key]
-
-    def last_logits(self, tokens: list[int]):
-        torch = self.torch
-        with torch.no_grad():
-            return self.model(torch.tensor([tokens])).logits[0, -1].float()
 
 
 class LoopThread:

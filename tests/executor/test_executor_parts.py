@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor_harness import Oracle
+from oracle import Oracle
 from executor_service.attention import load_backend
 from executor_service.kv_pool import KvPool, block_bytes
 from executor_service.tables import TableChanges

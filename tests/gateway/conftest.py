@@ -4,7 +4,7 @@ tests (a module that needs another shape defines its own `model`)."""
 from __future__ import annotations
 
 import pytest
-from gateway_harness import Oracle
+from oracle import Oracle
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,8 @@ import asyncio
 import random
 
 import pytest
-from gateway_harness import Oracle, generate, start_stack
+from gateway_harness import generate, start_stack
+from oracle import Oracle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from kvpager.channel import ClientTls, auth_metadata, make_channel
-from kvpager_tools.drills import Needs, StackOptions, drill_stack, run_drill
+from kvpager_tools.drills import Needs, drill_options, drill_stack, run_drill
 from kvpager_tools.drills.common import Clients, greedy_request
 from kvpager.packed import pack_i32
 from kvpager.v1 import executor_pb2, executor_pb2_grpc, gateway_pb2, memory_pb2, memory_pb2_grpc
@@ -29,7 +29,7 @@ PROMPT_MARKER = "Zanzibar quokka 7391 marmalade"
 
 @pytest.fixture(scope="module")
 def env(security_model, dev_certs):
-    opts = StackOptions(model=security_model, num_blocks=96, block_size=8, swap_blocks=16, max_model_len=256,
+    opts = drill_options(model=security_model, num_blocks=96, block_size=8, swap_blocks=16, max_model_len=256,
                         secure=True, cert_dir=str(dev_certs),
                         gateway_args=f"--max-prompt-tokens {MAX_PROMPT_TOKENS}")
     with drill_stack(Needs(executors=1), opts, log_level="DEBUG") as env:

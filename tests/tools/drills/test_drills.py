@@ -9,13 +9,13 @@ import asyncio
 import pytest
 from drill_helpers import assert_ok
 
-from kvpager_tools.drills import Needs, StackOptions, drill_stack, run_drill
+from kvpager_tools.drills import Needs, drill_options, drill_stack, run_drill
 from kvpager_tools.drills.common import Clients, greedy_request
 
 
 @pytest.fixture(scope="module")
 def env(demo_checkpoint):
-    with drill_stack(Needs(executors=2), StackOptions(model=demo_checkpoint, num_blocks=192, block_size=8,
+    with drill_stack(Needs(executors=2), drill_options(model=demo_checkpoint, num_blocks=192, block_size=8,
                                                       swap_blocks=32, max_model_len=256)) as env:
         yield env
 

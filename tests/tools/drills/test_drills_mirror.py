@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 from drill_helpers import assert_ok
 
-from kvpager_tools.drills import Needs, StackOptions, drill_stack, run_drill
+from kvpager_tools.drills import Needs, drill_options, drill_stack, run_drill
 from kvpager_tools.redis_server import redis_server_binary
 
 pytestmark = [
@@ -20,7 +20,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def env(demo_checkpoint):
-    with drill_stack(Needs(executors=1, redis=True), StackOptions(model=demo_checkpoint, num_blocks=192, block_size=8,
+    with drill_stack(Needs(executors=1, redis=True), drill_options(model=demo_checkpoint, num_blocks=192, block_size=8,
                                                                   swap_blocks=32, max_model_len=256)) as env:
         yield env
 

@@ -1,4 +1,4 @@
-"""Regenerate the committed gRPC stubs: ``python -m kvpager.protogen``.
+"""Regenerate the committed gRPC stubs: ``python -m kvpager_tools.protogen``.
 
 Sources live in ``proto/kvpager/v1/*.proto``; output goes to ``kvpager/v1/``
 so that imports read ``from kvpager.v1 import memory_pb2``. The same function
@@ -42,7 +42,7 @@ def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
     out_dir = out_root / "kvpager" / "v1"
-    (out_dir / "__init__.py").write_text('"""Generated gRPC stubs; regenerate with `python -m kvpager.protogen`."""\n')
+    (out_dir / "__init__.py").write_text('"""Generated gRPC stubs; regenerate with `python -m kvpager_tools.protogen`."""\n')
     return sorted(p for p in out_dir.iterdir() if p.suffix in (".py", ".pyi"))
 
 
