@@ -39,7 +39,13 @@ def _opt(data: bytes, decode, field: str) -> np.ndarray | None:
     return decode(data, field) if data else None
 
 
+_NO_OPS = common_pb2.CacheOps()
+_NO_TABLES = common_pb2.TableChanges()
+
+
 def cache_ops_from_proto(ops: common_pb2.CacheOps) -> CacheOps:
+    if ops == _NO_OPS:
+        return CacheOps()
     return CacheOps(
         copy_src=_i32(ops.copy_src, "cache_ops.copy_src"),
         copy_dst=_i32(ops.copy_dst, "cache_ops.copy_dst"),
@@ -55,6 +61,8 @@ def _offsets(data: bytes, field: str) -> np.ndarray:
 
 
 def tables_from_proto(t: common_pb2.TableChanges) -> TableChanges:
+    if t == _NO_TABLES:  # a decode step inside its blocks: nothing changed
+        return TableChanges()
     return TableChanges(
         forks=[(f.parent_seq_id, list(f.child_seq_ids)) for f in t.forks],
         dropped=_i64(t.dropped_seq_ids, "tables.dropped_seq_ids"),

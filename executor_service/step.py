@@ -123,6 +123,8 @@ def _check_distinct(arr: np.ndarray, name: str) -> None:
 
 
 def _check_cache_ops(ops: CacheOps, limits: PoolLimits) -> None:
+    if not ops.num_ops and not (len(ops.copy_dst) or len(ops.swap_out_dst) or len(ops.swap_in_dst)):
+        return  # the usual step: nothing to move
     pairs = (
         ("copy", ops.copy_src, ops.copy_dst, limits.num_blocks, limits.num_blocks),
         ("swap_out", ops.swap_out_src, ops.swap_out_dst, limits.num_blocks, limits.num_swap_blocks),

@@ -13,7 +13,14 @@ decode step measures:
   forward and sampling time: unpacking, validation, table changes, input
   building, packing, the RPC;
 * ``control_us`` = the two, and its ratio to two bare unary RPCs (a
-  grpc.health Check round trip, ``echo_us``, timed in the same run);
+  grpc.health Check round trip) timed in the same run two ways:
+  ``echo_us``, back to back (the services hot), and ``paced_echo_us``, one
+  Check to the memory service and one to the executor in place of a step's
+  Step and Execute timing, at the same moments of the cycle: after the
+  forward a service has been idle for as long as before a real Step, and an
+  idle process pays its wake-up (measured here: a Check after 3 ms idle
+  costs ~1.5x a hot one, after 30 ms ~2.5x). ``control_x_two_echoes`` is
+  against the hot echo, ``control_x_paced_echoes`` against the paced pair;
 * the bytes of each message: ``step_request_bytes``, ``plan_bytes`` (the
   StepPlan, = ``bytes_per_step``: what the plan costs on the wire),
   ``execute_request_bytes``, ``execute_response_bytes``.
@@ -29,6 +36,14 @@ import asyncio
 import random
 import statistics
 import time
+
+
+async def _check_us(stub) -> float:
+    from grpc_health.v1 import health_pb2
+
+    t0 = time.perf_counter()
+    await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return (time.perf_counter() - t0) * 1e6
 
 
 async def _echo_us(channel, n: int = 200) -> float:
@@ -55,8 +70,10 @@ class _Driver:
         self.computed: dict[int, int] = {}
         self.tokens: dict[int, list[int]] = {}
 
-    async def step(self, *, new=(), schedule=(), appended=None):
-        """One Step + Execute; returns (sampled {seq: token}, figures of the step)."""
+    async def step(self, *, new=(), schedule=(), appended=None, echo=None):
+        """One Step + Execute; returns (sampled {seq: token}, figures of the step).
+        ``echo``: (memory health stub, executor health stub): time a Check to each
+        just before its RPC (the figures then hold the echoes, not this step's RPCs)."""
         from kvpager.packed import pack_i32, pack_i64, unpack_i32, unpack_i64
         from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
 
@@ -70,6 +87,9 @@ class _Driver:
             ids = list(appended)
             req.appended.CopyFrom(common_pb2.TokenBatch(seq_ids=pack_i64(ids), offsets=pack_i32(range(len(ids) + 1)),
                                                         token_ids=pack_i32(appended[s] for s in ids)))
+        echoes = {}
+        if echo is not None:
+            echoes["memory"] = await _check_us(echo[0])
         t0 = time.perf_counter()
         plan = await self.memory.Step(req, timeout=300)
         t1 = time.perf_counter()
@@ -88,11 +108,15 @@ class _Driver:
             step_id=self.step_id, incarnation=self.incarnation, plan=ep, context_lens=pack_i32(ctx),
             token_ids=pack_i32(toks), sampling=executor_pb2.SamplingBatch(
                 num_samples=pack_i32(samples), seeds=pack_i64([0] * sum(samples))))
+        if echo is not None:
+            echoes["executor"] = await _check_us(echo[1])
         t2 = time.perf_counter()
         resp = await self.executor.Execute(ex_req, timeout=300)
         t3 = time.perf_counter()
         sampled = iter(unpack_i32(resp.sampled_token_ids))
         out = {s: next(sampled) for s, k in zip(seq_ids, samples) if k}
+        if echo is not None:
+            return out, echoes
         figures = {"rows": n, "step_us": (t1 - t0) * 1e6,
                    "execute_overhead_us": ((t3 - t2) - resp.forward_s - resp.sample_s) * 1e6,
                    "forward_us": resp.forward_s * 1e6, "step_request_bytes": req.ByteSize(),
@@ -103,6 +127,8 @@ class _Driver:
 
 async def _measure(memory_address: str, executor_address: str, batches: list[int], contexts: list[int],
                    decode_steps: int, token_lo: int, token_hi: int, seed: int) -> list[dict]:
+    from grpc_health.v1 import health_pb2_grpc
+
     from kvpager.channel import make_channel
     from kvpager.v1 import executor_pb2_grpc, memory_pb2, memory_pb2_grpc
 
@@ -111,6 +137,7 @@ async def _measure(memory_address: str, executor_address: str, batches: list[int
     async with make_channel(memory_address) as mch, make_channel(executor_address) as ech:
         memory = memory_pb2_grpc.MemoryServiceStub(mch)
         executor = executor_pb2_grpc.ExecutorServiceStub(ech)
+        health = (health_pb2_grpc.HealthStub(mch), health_pb2_grpc.HealthStub(ech))
         (pool,) = (await memory.ListExecutors(memory_pb2.ListExecutorsRequest(), timeout=10)).executors
         next_id = 1 << 40
         for context in contexts:
@@ -125,19 +152,24 @@ async def _measure(memory_address: str, executor_address: str, batches: list[int
                 # The prefill: the first computes the prefix, the others hit it in the same step.
                 sampled, _ = await drv.step(new=ids, schedule=[(s, len(drv.tokens[s])) for s in ids])
                 echo = await _echo_us(mch)
-                figures = []
-                for _ in range(decode_steps):
+                figures, paced = [], []
+                for i in range(2 * decode_steps):  # odd steps time the paced echoes, even ones the RPCs
                     for s, t in sampled.items():
                         drv.tokens[s].append(t)
-                    sampled, f = await drv.step(schedule=[(s, 1) for s in ids], appended=sampled)
-                    figures.append(f)
+                    sampled, f = await drv.step(schedule=[(s, 1) for s in ids], appended=sampled,
+                                                echo=health if i % 2 else None)
+                    (paced if i % 2 else figures).append(f)
                 await memory.Free(memory_pb2.FreeRequest(seq_ids=ids), timeout=30)
                 med = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
                 control = med["step_us"] + med["execute_overhead_us"]
+                paced_mem = statistics.median(p["memory"] for p in paced)
+                paced_exec = statistics.median(p["executor"] for p in paced)
                 rows.append({
                     "batch": batch, "context": context, "steps": len(figures), "echo_us": round(echo, 1),
                     "step_us": round(med["step_us"], 1), "execute_overhead_us": round(med["execute_overhead_us"], 1),
                     "control_us": round(control, 1), "control_x_two_echoes": round(control / (2 * echo), 2),
+                    "paced_echo_us": {"memory": round(paced_mem, 1), "executor": round(paced_exec, 1)},
+                    "control_x_paced_echoes": round(control / (paced_mem + paced_exec), 2),
                     "forward_us": round(med["forward_us"], 1),
                     "bytes_per_step": int(med["plan_bytes"]),
                     "step_request_bytes": int(med["step_request_bytes"]), "plan_bytes": int(med["plan_bytes"]),
