@@ -109,7 +109,16 @@ class MemoryManager:
             raise FailedPrecondition(f"step {step.step_id} is older than the last step {self.last_step_id}")
         self.validator.check(step)
         out = StepOutput(step.step_id)
+        rejected = self.apply(step, out)
+        self.planner.plan(step, out, rejected)
+        if step.step_id:
+            self.last_step_id = step.step_id
+            self._last_output = out
+        return out
 
+    def apply(self, step: StepInput, out: StepOutput) -> set[int]:
+        """A validated step's forks, appends, frees, aborts and new sequences;
+        rejections go to out. Returns the rejected new sequences' ids."""
         for parent_id, children in step.forks:
             self._fork(parent_id, children)
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
@@ -125,11 +134,7 @@ class MemoryManager:
             if rejection is not None:
                 out.rejected.append(rejection)
                 rejected.add(new.seq_id)
-        self.planner.plan(step, out, rejected)
-        if step.step_id:
-            self.last_step_id = step.step_id
-            self._last_output = out
-        return out
+        return rejected
 
     def _create(self, new: NewSeq) -> Rejected | None:
         kv = self.executors[new.executor_id]

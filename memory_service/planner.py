@@ -38,6 +38,11 @@ class Planner:
 
     def plan(self, step: StepInput, out: StepOutput, rejected: set[int]) -> None:
         """Allocate step.schedule in order; fill out.executor_plans, preempted, unscheduled."""
+        self.build_plans(self.schedule(step, out, rejected), out)
+
+    def schedule(self, step: StepInput, out: StepOutput, rejected: set[int]) -> dict[str, list[tuple[int, int]]]:
+        """Allocate step.schedule in order; fill out.preempted and out.unscheduled.
+        Returns each executor's rows: (seq_id, tokens computed now)."""
         seqs = self.seqs
         handled: set[int] = set()       # scheduled (or given up) in this step: never a victim after
         preempted: set[int] = set()
@@ -96,7 +101,11 @@ class Planner:
                 else:
                     out.unscheduled.append(seq_id)
                     admission_closed.add(kv.spec.executor_id)
+        return rows
 
+    def build_plans(self, rows: dict[str, list[tuple[int, int]]], out: StepOutput) -> None:
+        """Each executor's plan: its rows, table changes and cache ops (none for
+        an executor with neither rows nor ops)."""
         for executor_id, kv in self.executors.items():
             plan_rows = rows.get(executor_id)
             ops = kv.take_ops()

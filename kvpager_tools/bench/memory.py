@@ -8,8 +8,13 @@ manager (and the real gRPC service for the RPC figures).
   analytic bound and vs contiguous reservations.
 * sharing: parallel sampling (n = 2, 4, 6) and beam search (k = 2, 4, 6):
   blocks saved by sharing vs the analytic maximum.
-* speed: one Step for 256 decoding sequences, in-process and over gRPC,
-  against a bare unary RPC (health Check) on the same server in the same run.
+* speed: one decode Step for 256 sequences in-process, on a realistic
+  workload (prompts uniform in 100-500 tokens, so ~1/16 of the sequences
+  open a block each step; ``decode_step``), split into validation / apply /
+  schedule / plan building; with ``--nanovllm DIR``, nano-vllm's block
+  manager on the same workload in the same process, alternating step by
+  step. And over gRPC against a bare unary RPC (health Check) on the same
+  server in the same run.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import sys
 import time
 from array import array
 
+from kvpager_tools.bench.decode_step import DecodeWorkload, measure as measure_decode
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
 from memory_service.records import NewSeq, StepInput
@@ -238,37 +244,6 @@ def beam_sharing(k: int, steps=160, trials=6, block_size=16, seed=0) -> dict:
 # ---- speed --------------------------------------------------------------------
 
 
-def _decode_setup(batch: int, prompt_len=100, block_size=16):
-    m = MemoryManager()
-    m.register_executor(ExecutorSpec("e0", batch * 64, block_size, max_model_len=4096, vocab_size=VOCAB))
-    rng = random.Random(0)
-    new = [NewSeq(i, "e0", [rng.randrange(VOCAB) for _ in range(prompt_len)]) for i in range(batch)]
-    m.step(StepInput(new_seqs=new, schedule_seq_ids=list(range(batch)), schedule_num_tokens=[prompt_len] * batch))
-    return m
-
-
-def decode_request(batch: int, step_id: int, rng: random.Random) -> StepInput:
-    ids = array("q", range(batch))
-    return StepInput(step_id=step_id, appended_seq_ids=ids, appended_offsets=array("i", range(batch + 1)),
-                     appended_tokens=array("i", [rng.randrange(VOCAB) for _ in range(batch)]),
-                     schedule_seq_ids=ids, schedule_num_tokens=array("i", [1] * batch))
-
-
-def step_inprocess_us(batch=256, steps=300, repeats=5) -> float:
-    medians = []
-    for r in range(repeats):
-        m = _decode_setup(batch)
-        rng = random.Random(r)
-        reqs = [decode_request(batch, i + 2, rng) for i in range(steps)]
-        times = []
-        for req in reqs:
-            t0 = time.perf_counter()
-            m.step(req)
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    return statistics.median(medians) * 1e6
-
-
 def rpc_figures(batch=256, steps=300, repeats=5) -> tuple[float, float]:
     """(Step RPC µs, bare unary RPC µs): the memory service runs in its own
     process; both are timed from the same client in the same run."""
@@ -339,7 +314,7 @@ def rpc_figures(batch=256, steps=300, repeats=5) -> tuple[float, float]:
         proc.wait(timeout=30)
 
 
-def run_all(quick: bool = False) -> dict:
+def run_all(quick: bool = False, nanovllm: str | None = None, decode_runs: int | None = None) -> dict:
     _progress("seed example")
     result = {"seed_example": seed_example()}
     result["traces"] = {}
@@ -353,13 +328,15 @@ def run_all(quick: bool = False) -> dict:
     for k in (2, 4, 6):
         _progress(f"beam k={k}")
         result["sharing"][f"beam_{k}"] = beam_sharing(k, steps=60 if quick else 160, trials=2 if quick else 6)
-    _progress("speed (in-process)")
+    _progress("speed (in-process decode step)")
     batch = 256
-    inproc = step_inprocess_us(batch, steps=100 if quick else 300, repeats=3 if quick else 5)
+    w = DecodeWorkload(batch=batch, steps=100 if quick else 200, runs=decode_runs or (3 if quick else 5))
+    decode = measure_decode(w, nanovllm, progress=_progress)
     _progress("speed (gRPC)")
     rpc_us, echo_us = rpc_figures(batch, steps=100 if quick else 300, repeats=3 if quick else 5)
-    result["speed"] = {"batch": batch, "step_plan_us_inprocess": round(inproc, 1), "step_rpc_us": round(rpc_us, 1),
-                       "echo_rpc_us": round(echo_us, 1), "rpc_over_echo": round(rpc_us / echo_us, 3)}
+    result["speed"] = {"batch": batch, "step_plan_us_inprocess": decode["decode_step_us"],
+                       "step_rpc_us": round(rpc_us, 1), "echo_rpc_us": round(echo_us, 1),
+                       "rpc_over_echo": round(rpc_us / echo_us, 3), **decode}
     return result
 
 
@@ -367,15 +344,25 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("memory", help="block-manager benchmark: paging, sharing, Step speed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="smaller traces (CI smoke)")
+    p.add_argument("--nanovllm", metavar="DIR", default=None,
+                   help="a nano-vllm checkout: time its block manager on the same decode workload "
+                        "(needs `pip install xxhash`)")
+    p.add_argument("--decode-runs", type=int, default=None, metavar="N",
+                   help="runs of the decode-step comparison (default 5, 3 with --quick)")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    result = run_all(quick=args.quick)
+    result = run_all(quick=args.quick, nanovllm=getattr(args, "nanovllm", None),
+                     decode_runs=getattr(args, "decode_runs", None))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
 
 if __name__ == "__main__":
-    ns = argparse.Namespace(json="--json" in sys.argv, quick="--quick" in sys.argv)
-    sys.exit(_run(ns))
+    cli = argparse.ArgumentParser(prog="python -m kvpager_tools.bench.memory")
+    cli.add_argument("--json", action="store_true")
+    cli.add_argument("--quick", action="store_true")
+    cli.add_argument("--nanovllm", default=None)
+    cli.add_argument("--decode-runs", type=int, default=None)
+    sys.exit(_run(cli.parse_args()))
