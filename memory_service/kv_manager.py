@@ -189,6 +189,21 @@ class ExecutorKV:
             self.tables.extend(seq.seq_id, first_changed, seq.block_ids[first_changed:])
         return True
 
+    def open_block(self, seq: Sequence) -> bool:
+        """Room for the next token of a RUNNING sequence whose blocks are all
+        full: one fresh block at the tail (no block holds that position yet,
+        so nothing is shared or copied). False (nothing changed) when the pool
+        is empty. A decode's growth; ``allocate_slots`` is the general case."""
+        pool = self.pool
+        if not pool.num_free:
+            return False
+        block = pool.allocate(1)[0]
+        first = len(seq.blocks)
+        seq.blocks.append(block)
+        seq.block_ids.append(block.block_id)
+        self.tables.extend(seq.seq_id, first, (block.block_id,))
+        return True
+
     def commit(self, seq: Sequence, k: int) -> None:
         """The planned k tokens count as computed; newly full blocks enter the
         prefix index."""

@@ -23,7 +23,7 @@ from memory_service.planner import Planner
 from memory_service.policy import EvictionPolicy, ModePolicy, VictimEligibility, VictimPolicy
 from memory_service.records import NewSeq, PrefixScore, Rejected, RejectionReason, StepInput, StepOutput
 from memory_service.sequence import Sequence
-from memory_service.validation import StepValidator
+from memory_service.validation import DecodeStep, StepValidator
 
 
 class MemoryManager:
@@ -107,18 +107,25 @@ class MemoryManager:
             return self._last_output  # a retried step: same plan, no second application
         if step.step_id and step.step_id < self.last_step_id:
             raise FailedPrecondition(f"step {step.step_id} is older than the last step {self.last_step_id}")
-        self.validator.check(step)
+        decode = self.validator.check_decode(step)
+        if decode is None:
+            self.validator.check(step)
         out = StepOutput(step.step_id)
-        rejected = self.apply(step, out)
-        self.planner.plan(step, out, rejected)
+        rejected = self.apply(step, out, decode)
+        self.planner.plan(step, out, rejected, decode)
         if step.step_id:
             self.last_step_id = step.step_id
             self._last_output = out
         return out
 
-    def apply(self, step: StepInput, out: StepOutput) -> set[int]:
+    def apply(self, step: StepInput, out: StepOutput, decode: DecodeStep | None = None) -> set[int]:
         """A validated step's forks, appends, frees, aborts and new sequences;
-        rejections go to out. Returns the rejected new sequences' ids."""
+        rejections go to out. Returns the rejected new sequences' ids.
+        ``decode``: the step passed ``StepValidator.check_decode`` (appends only)."""
+        if decode is not None:
+            for seq, token in zip(decode.appended, step.appended_tokens):
+                seq.token_ids.append(token)
+            return set()
         for parent_id, children in step.forks:
             self._fork(parent_id, children)
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens

@@ -17,6 +17,7 @@ wait for the next one).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 
 from kvpager.seq_status import SeqStatus
@@ -25,6 +26,26 @@ from memory_service.kv_manager import ExecutorKV
 from memory_service.policy import ModePolicy, PreemptionMode, VictimEligibility, VictimPolicy
 from memory_service.records import ExecutorStepPlan, StepInput, StepOutput
 from memory_service.sequence import Sequence
+from memory_service.validation import DecodeStep
+
+# executor id -> its rows: (seq_ids int64, tokens each computes now int32), in allocation order
+Rows = dict[str, tuple[array, array]]
+
+
+def _add_row(rows: Rows, executor_id: str, seq_id: int, k: int) -> None:
+    r = rows.get(executor_id)
+    if r is None:
+        r = rows[executor_id] = (array("q"), array("i"))
+    r[0].append(seq_id)
+    r[1].append(k)
+
+
+def _rows_of(seqs: list[Sequence]) -> Rows:
+    """Rows of one token each, for sequences already given room, grouped by executor."""
+    rows: Rows = {}
+    for seq in seqs:
+        _add_row(rows, seq.executor_id, seq.seq_id, 1)
+    return rows
 
 
 class Planner:
@@ -36,21 +57,28 @@ class Planner:
         self.victims = victims
         self.modes = modes
 
-    def plan(self, step: StepInput, out: StepOutput, rejected: set[int]) -> None:
+    def plan(self, step: StepInput, out: StepOutput, rejected: set[int], decode: DecodeStep | None = None) -> None:
         """Allocate step.schedule in order; fill out.executor_plans, preempted, unscheduled."""
-        self.build_plans(self.schedule(step, out, rejected), out)
+        self.build_plans(self.schedule(step, out, rejected, decode), out)
 
-    def schedule(self, step: StepInput, out: StepOutput, rejected: set[int]) -> dict[str, list[tuple[int, int]]]:
+    def schedule(self, step: StepInput, out: StepOutput, rejected: set[int],
+                 decode: DecodeStep | None = None) -> Rows:
         """Allocate step.schedule in order; fill out.preempted and out.unscheduled.
-        Returns each executor's rows: (seq_id, tokens computed now)."""
+        Returns each executor's rows. ``decode``: the step passed
+        ``StepValidator.check_decode``."""
+        if decode is not None:
+            return self._schedule_decode(step, out, decode)
+        return self._schedule(step.schedule_seq_ids, step.schedule_num_tokens, out, rejected, {}, set())
+
+    def _schedule(self, seq_ids, num_tokens, out: StepOutput, rejected: set[int], rows: Rows,
+                  handled: set[int]) -> Rows:
         seqs = self.seqs
-        handled: set[int] = set()       # scheduled (or given up) in this step: never a victim after
+        # handled: scheduled (or given up) in this step: never a victim after
         preempted: set[int] = set()
         admission_closed: set[str] = set()
-        rows: dict[str, list[tuple[int, int]]] = {}  # executor -> (seq_id, tokens computed now)
         running, swapped = SeqStatus.RUNNING, SeqStatus.SWAPPED
         kv = None
-        for seq_id, k in zip(step.schedule_seq_ids, step.schedule_num_tokens):
+        for seq_id, k in zip(seq_ids, num_tokens):
             if seq_id in rejected:
                 continue
             seq = seqs[seq_id]
@@ -65,7 +93,7 @@ class Planner:
                 k = min(k, len(seq.token_ids) - seq.num_computed)  # >= 1, validated
                 if kv.allocate_slots(seq, k) or self.make_room(
                         kv, seq, lambda kv=kv, seq=seq, k=k: kv.allocate_slots(seq, k), None, handled, out, preempted):
-                    rows.setdefault(kv.spec.executor_id, []).append((seq_id, k))
+                    _add_row(rows, kv.spec.executor_id, seq_id, k)
                     kv.commit(seq, k)
                 else:
                     out.unscheduled.append(seq_id)
@@ -73,7 +101,7 @@ class Planner:
                 k = min(k, seq.num_tokens - seq.num_computed)
                 if self.make_room(kv, seq, lambda kv=kv, seq=seq, k=k: kv.swap_in(seq, k),
                                   lambda: kv.room_needed(seq, k), handled, out, preempted):
-                    rows.setdefault(kv.spec.executor_id, []).append((seq_id, k))
+                    _add_row(rows, kv.spec.executor_id, seq_id, k)
                     kv.commit(seq, k)
                 else:
                     out.unscheduled.append(seq_id)
@@ -96,14 +124,53 @@ class Planner:
                     if first:
                         seq.admitted = True
                         seq.num_cached_tokens = seq.num_computed  # the prefix hit
-                    rows.setdefault(kv.spec.executor_id, []).append((seq_id, granted[0]))
+                    _add_row(rows, kv.spec.executor_id, seq_id, granted[0])
                     kv.commit(seq, granted[0])
                 else:
                     out.unscheduled.append(seq_id)
                     admission_closed.add(kv.spec.executor_id)
         return rows
 
-    def build_plans(self, rows: dict[str, list[tuple[int, int]]], out: StepOutput) -> None:
+    def _schedule_decode(self, step: StepInput, out: StepOutput, decode: DecodeStep) -> Rows:
+        """One token for each scheduled sequence, all RUNNING, in order. The
+        common case, room left in a private tail block, is a few attribute
+        reads: a running sequence holds exactly ceil(num_computed / block_size)
+        blocks, so its tail has room iff num_computed is not a multiple of the
+        block size (the test ``allocate_slots`` makes, without the call). A
+        full tail takes ``open_block``, a shared one ``allocate_slots`` (the
+        copy); the first sequence that cannot get room without preempting
+        hands itself and the rest of the schedule to the general loop, so who
+        is preempted and what goes unscheduled is the general loop's answer."""
+        executors = self.executors
+        eid = kv = None
+        bs = 0
+        num_executors = 0
+        scheduled = decode.scheduled
+        for seq in scheduled:
+            if seq.executor_id != eid:
+                eid = seq.executor_id
+                kv = executors[eid]
+                bs = kv.block_size
+                num_executors += 1
+            c = seq.num_computed
+            if c % bs:  # room left in the tail block; a shared one is copied first
+                ok = seq.blocks[-1].ref_cnt == 1 or kv.allocate_slots(seq, 1)
+            else:       # the tail is full: a fresh block
+                ok = kv.open_block(seq)
+            if not ok:
+                j = scheduled.index(seq)
+                sids = step.schedule_seq_ids
+                return self._schedule(sids[j:], step.schedule_num_tokens[j:], out, set(),
+                                      _rows_of(scheduled[:j]), set(sids[:j]))
+            if (c + 1) % bs:
+                seq.num_computed = c + 1
+            else:
+                kv.commit(seq, 1)  # the tail is full now: it enters the prefix index
+        if num_executors == 1:
+            return {eid: (array("q", step.schedule_seq_ids), array("i", [1]) * len(scheduled))}
+        return _rows_of(scheduled)
+
+    def build_plans(self, rows: Rows, out: StepOutput) -> None:
         """Each executor's plan: its rows, table changes and cache ops (none for
         an executor with neither rows nor ops)."""
         for executor_id, kv in self.executors.items():
@@ -114,9 +181,8 @@ class Planner:
                 continue
             plan = ExecutorStepPlan(executor_id, kv.spec.incarnation, kv.table_epoch, tables=kv.take_tables(),
                                     ops=ops)
-            for seq_id, k in plan_rows or ():
-                plan.seq_ids.append(seq_id)
-                plan.query_lens.append(k)
+            if plan_rows:
+                plan.seq_ids, plan.query_lens = plan_rows
             out.executor_plans.append(plan)
 
     def make_room(self, kv: ExecutorKV, seq: Sequence, attempt: Callable[[], bool],

@@ -53,7 +53,7 @@ EXECUTORS = ("e0", "e1")
 RULES_RUN = [0]  # rules executed by this process, over all examples
 # What the runs exercised (printed, and each must have happened at least once).
 STATS = dict.fromkeys(("preempt_recompute", "preempt_swap", "cow_copies", "swap_ins", "prefix_hits", "evictions",
-                       "rejected", "unscheduled", "bad_steps", "retries", "reregistrations"), 0)
+                       "rejected", "unscheduled", "bad_steps", "retries", "reregistrations", "fast_decodes"), 0)
 
 
 class Slots:
@@ -346,6 +346,26 @@ class MemoryMachine(RuleBasedStateMachine):
         chosen = rnd.sample(live, rnd.randint(1, len(live)))
         self._schedule(rnd, step, chosen, appended)
         self._set_appended(step, appended)
+        self._run(step)
+
+    @precondition(lambda self: self._live(SeqStatus.RUNNING))
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def plain_decode(self, seed):
+        """What a serving loop sends most: one token appended to and scheduled for
+        running sequences, nothing else (the manager's decode fast path, with its
+        hand-over to the general loop when the pool is short)."""
+        rnd = random.Random(seed)
+        running = [s for s in self._live(SeqStatus.RUNNING)
+                   if len(self.tokens[s]) < self.m.seqs[s].token_limit or
+                   len(self.tokens[s]) > self.m.seqs[s].num_computed]
+        if not running:
+            return self.decode(seed)
+        chosen = rnd.sample(running, rnd.randint(1, len(running)))
+        appended = {s: [rnd.randrange(VOCAB)] for s in chosen if len(self.tokens[s]) == self.m.seqs[s].num_computed}
+        step = StepInput(schedule_seq_ids=chosen, schedule_num_tokens=[1] * len(chosen))
+        self._set_appended(step, appended)
+        if self.m.validator.check_decode(step) is not None:
+            STATS["fast_decodes"] += 1
         self._run(step)
 
     @precondition(lambda self: self._live(SeqStatus.RUNNING, SeqStatus.WAITING))
