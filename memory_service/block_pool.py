@@ -56,7 +56,8 @@ class BlockPool:
         del self.cached[block.block_hash]
         self.num_cached_free -= 1
         self.num_evictions += 1
-        self.events.emit(BlockRemoved(self.executor_id, block.block_hash, block.block_id))
+        if self.events.enabled:  # no record built when nothing drains them
+            self.events.emit(BlockRemoved(self.executor_id, block.block_hash, block.block_id))
         block.block_hash = None
         block.token_ids = None
 
@@ -107,8 +108,9 @@ class BlockPool:
         self.cached[block_hash] = block
         if block.ref_cnt == 0:  # not on the hot path, but keep the count honest
             self.num_cached_free += 1
-        self.events.emit(BlockStored(self.executor_id, block_hash, parent_hash, block.block_id, depth,
-                                     block.token_ids))
+        if self.events.enabled:  # no record built when nothing drains them
+            self.events.emit(BlockStored(self.executor_id, block_hash, parent_hash, block.block_id, depth,
+                                         block.token_ids))
         return True
 
     def restore_cached(self, block_hash: bytes, block_id: int, token_ids: Sequence[int],
