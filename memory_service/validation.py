@@ -104,19 +104,22 @@ class StepValidator:
             scheduled = appended if ns == n and sids == ids else list(map(seqs.__getitem__, sids))
         except KeyError:
             return None
+        running = SeqStatus.RUNNING
         if n:
             if len(set(ids)) != n or min(toks) < 0 or \
                     max(toks) >= min(map(_vocab_bound, self.executors.values()), default=_MAX_TOKEN_ID + 1):
                 return None
-            if [s for s in appended if len(s.token_ids) >= s.token_limit]:
+            if scheduled is appended:  # room for the token, and running: one pass
+                if [s for s in appended if len(s.token_ids) >= s.token_limit or s.status is not running]:
+                    return None
+            elif [s for s in appended if len(s.token_ids) >= s.token_limit]:
                 return None
         if ns:
-            if min(nums) != 1 or max(nums) != 1:
-                return None
-            running = SeqStatus.RUNNING
-            if [s for s in scheduled if s.status is not running]:
+            if nums.count(1) != ns:
                 return None
             if scheduled is not appended:
+                if [s for s in scheduled if s.status is not running]:
+                    return None
                 if len(set(sids)) != ns:
                     return None
                 # an appended sequence has a token to compute; any other needs one left
