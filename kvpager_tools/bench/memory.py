@@ -279,12 +279,13 @@ def rpc_figures(batch=256, steps=300, repeats=5) -> tuple[float, float]:
                 executor_id=eid, num_blocks=batch * 64, block_size=16, max_model_len=4096, vocab_size=VOCAB)))
             base = r * 10_000_000
             ids = list(range(base, base + batch))
-            new = [memory_pb2.NewSequence(seq_id=i, executor_id=eid,
-                                          prompt_token_ids=pack_i32(rng.randrange(VOCAB) for _ in range(100)))
-                   for i in ids]
+            # the decode-step workload's prompt mix (100-500 tokens): ~1/16 open a block per step
+            prompts = DecodeWorkload(batch=batch).prompts(r)
+            new = [memory_pb2.NewSequence(seq_id=i, executor_id=eid, prompt_token_ids=pack_i32(p))
+                   for i, p in zip(ids, prompts)]
             step_id = r * 100_000 + 1
             stub.Step(memory_pb2.StepRequest(step_id=step_id, new_sequences=new, schedule_seq_ids=pack_i64(ids),
-                                             schedule_num_tokens=pack_i32([100] * batch)))
+                                             schedule_num_tokens=pack_i32(map(len, prompts))))
             packed_ids = pack_i64(ids)
             offsets = pack_i32(range(batch + 1))
             ones = pack_i32([1] * batch)
