@@ -99,9 +99,9 @@ class KvpagerDecode:
         offsets = array("i", range(n + 1))
         ones = array("i", [1] * n)
         # what the servicer hands the manager: fresh packed arrays per step
-        self.requests = [StepInput(step_id=i + 2, appended_seq_ids=array("q", ids), appended_offsets=array("i", offsets),
-                                   appended_tokens=array("i", sampled[i]), schedule_seq_ids=array("q", ids),
-                                   schedule_num_tokens=array("i", ones))
+        self.requests = [StepInput(step_id=i + 2, appended_seq_ids=array("q", ids),
+                                   appended_offsets=array("i", offsets), appended_tokens=array("i", sampled[i]),
+                                   schedule_seq_ids=array("q", ids), schedule_num_tokens=array("i", ones))
                          for i in range(len(sampled))]
 
     def step(self, i: int) -> StepOutput:

@@ -26,7 +26,6 @@ import random
 import statistics
 import sys
 import time
-from array import array
 
 from kvpager_tools.bench.decode_step import DecodeWorkload, measure as measure_decode
 from memory_service.kv_manager import ExecutorSpec

@@ -162,9 +162,8 @@ def test_the_runs_meet_what_the_fast_path_hands_over():
 
 def _decoding_pair(n: int = 6) -> Pair:
     pair = Pair()
-    step = StepInput(step_id=1, new_seqs=[NewSeq(i, "e0" if i % 2 else "e1", [i % VOCAB] * (3 + i), max_total_tokens=8 + i)
-                                          for i in range(n)],
-                     schedule_seq_ids=list(range(n)), schedule_num_tokens=[100] * n)
+    new = [NewSeq(i, "e0" if i % 2 else "e1", [i % VOCAB] * (3 + i), max_total_tokens=8 + i) for i in range(n)]
+    step = StepInput(step_id=1, new_seqs=new, schedule_seq_ids=list(range(n)), schedule_num_tokens=[100] * n)
     assert pair.run(step) == "ok"
     return pair
 
