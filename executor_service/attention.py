@@ -23,7 +23,7 @@ ATTN_IMPLEMENTATION = "kvpager_paged"
 class KernelBackend:
     """The four paged-cache kernels, all with ``kernels.reference`` signatures."""
 
-    name: str  # "torch" | "triton"
+    name: str  # "torch" | "cpu" | "triton"
     store_kv: Callable
     paged_attention: Callable
     copy_blocks: Callable
@@ -33,16 +33,27 @@ class KernelBackend:
 
 
 def load_backend(name: str) -> KernelBackend:
-    """``torch`` = vectorised pure-torch reference; ``triton`` = the Triton
-    launchers (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+    """``torch`` = vectorised pure-torch reference; ``cpu`` = the reference
+    with attention computed in place by the C++ CPU kernel
+    (``kernels.cpu_attention``); ``triton`` = the Triton launchers (CUDA, or
+    CPU under ``TRITON_INTERPRET=1``)."""
+    ops = ("store_kv", "paged_attention", "copy_blocks", "copy_blocks_all_layers")
     if name == "torch":
         mod = importlib.import_module("kernels.reference")
     elif name == "triton":
         mod = importlib.import_module("kernels")
+    elif name == "cpu":
+        cpu = importlib.import_module("kernels.cpu_attention")
+        if not cpu.available():
+            raise ValueError("the cpu attention backend did not build (see the log); use 'torch'")
+        ref = importlib.import_module("kernels.reference")
+        fns = {f: getattr(ref, f) for f in ops}
+        fns["paged_attention"] = cpu.paged_attention
+        return KernelBackend(name=name, plan_attention=cpu.plan_attention, **fns)
     else:
         raise ValueError(f"unknown attention backend {name!r}")
     # Resolve eagerly: a missing launcher fails at start-up, not mid-request.
-    fns = {f: getattr(mod, f) for f in ("store_kv", "paged_attention", "copy_blocks", "copy_blocks_all_layers")}
+    fns = {f: getattr(mod, f) for f in ops}
     return KernelBackend(name=name, plan_attention=getattr(mod, "plan_attention", None), **fns)
 
 

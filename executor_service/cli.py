@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from executor_service.config import BACKENDS, DTYPES, ExecutorConfig
+from executor_service.config import BACKENDS, DTYPES, MODEL_IMPLS, ExecutorConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-blocks", type=int, default=None, help="CPU swap pool blocks")
     p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--attention-backend", choices=BACKENDS, default="auto")
+    p.add_argument("--attention-backend", choices=BACKENDS, default="auto",
+                   help="auto: triton on CUDA; on CPU the C++ kernel (built on first use), else torch")
+    p.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
+                   help="auto: kvpager's own Llama-family forward where it fits, else transformers' model code")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--grace-s", type=float, default=5.0)
     p.add_argument("--log-level", default="INFO")
@@ -56,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         dtype=args.dtype,
         device=args.device,
         attention_backend=args.attention_backend,
+        model_impl=args.model_impl,
         max_model_len=args.max_model_len,
         grace_s=args.grace_s,
         tls=security.server_tls(),

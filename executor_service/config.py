@@ -10,7 +10,8 @@ if TYPE_CHECKING:
     from kvpager.server import TlsConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
+MODEL_IMPLS = ("auto", "kvpager", "transformers")
 
 
 @dataclass(slots=True)
@@ -37,7 +38,8 @@ class ExecutorConfig:
     swap_blocks: int | None = None          # CPU swap pool; None = min(num_blocks // 2, 4 GiB worth)
     dtype: str = "auto"                     # auto: float32 on CPU, checkpoint's 16-bit dtype on CUDA
     device: str = "auto"                    # auto: cuda if available else cpu
-    attention_backend: str = "auto"         # auto: triton on CUDA, torch on CPU
+    attention_backend: str = "auto"         # auto: triton on CUDA, cpu (C++ kernel) on CPU, else torch
+    model_impl: str = "auto"                # auto: our Llama forward where it fits, else transformers' code
     max_model_len: int | None = None        # default: the model's max_position_embeddings
     grace_s: float = 5.0                    # graceful-stop window
     register_backoff_max_s: float = 5.0     # registration retry ceiling
@@ -57,6 +59,8 @@ class ExecutorConfig:
             raise ValueError(f"dtype must be one of {DTYPES}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.kv_cache_gib <= 0:

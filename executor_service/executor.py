@@ -58,6 +58,7 @@ class ExecutorInfo:
     dtype: str = ""
     device: str = ""
     attention_backend: str = ""
+    model_impl: str = ""
     num_blocks: int = 0
     block_size: int = 0
     num_swap_blocks: int = 0
@@ -74,7 +75,11 @@ def new_incarnation() -> int:
 def _backend_name(requested: str, device: torch.device) -> str:
     if requested != "auto":
         return requested
-    return "triton" if device.type == "cuda" else "torch"
+    if device.type == "cuda":
+        return "triton"
+    from kernels import cpu_attention
+
+    return "cpu" if cpu_attention.available() else "torch"
 
 
 class Executor:
@@ -102,7 +107,8 @@ class Executor:
             torch.set_num_threads(previous)
 
     def _load(self, config: ExecutorConfig) -> None:
-        self.runner = ModelRunner(config.model, device=config.device, dtype=config.dtype)
+        self.runner = ModelRunner(config.model, device=config.device, dtype=config.dtype,
+                                  model_impl=config.model_impl)
         self.device = self.runner.device
         self.backend = load_backend(_backend_name(config.attention_backend, self.device))
         if self.backend.name == "triton" and self.device.type != "cuda":
@@ -213,6 +219,7 @@ class Executor:
             dtype=str(r.dtype).removeprefix("torch."),
             device=str(self.device),
             attention_backend=self.backend.name,
+            model_impl=r.model_impl,
             num_blocks=self.pool.num_blocks,
             block_size=self.pool.block_size,
             num_swap_blocks=self.pool.num_swap_blocks,

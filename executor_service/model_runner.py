@@ -14,9 +14,12 @@ from pathlib import Path
 
 import torch
 
-from executor_service.attention import AttentionMetadata, KernelBackend, register_attention
+from executor_service.attention import KernelBackend, register_attention
+from executor_service.models import llama
+from executor_service.models.hf import HFModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+MODEL_IMPLS = ("auto", "kvpager", "transformers")
 
 
 @dataclass(slots=True)
@@ -52,7 +55,8 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: torch.dtype
 class ModelRunner:
     """One loaded model; ``forward`` is the only per-step entry point."""
 
-    def __init__(self, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto") -> None:
+    def __init__(self, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto",
+                 model_impl: str = "auto") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -76,7 +80,6 @@ class ModelRunner:
         ).to(self.device)
         self.model.eval()
         self._num_params = sum(p.numel() for p in self.model.parameters())  # before packing drops weights
-        self.num_packed_linears = pack_linears(self.model) if self.device.type == "cpu" else 0
         self.config = self.model.config
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         self.model_type: str = text.model_type
@@ -90,12 +93,15 @@ class ModelRunner:
         window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
         self.max_model_len: int = min(self.max_position_embeddings, window or self.max_position_embeddings)
         self.eos_token_ids: list[int] = _eos_ids(self.model, text)
+        self.model_impl, self.impl = _choose_impl(model_impl, self.model, text)
+        self.num_packed_linears = getattr(self.impl, "num_packed_linears", 0)
+        if self.model_impl != "transformers":
+            self.model = None  # our forward holds what it needs; the module tree's weights can go
 
     @property
     def num_params(self) -> int:
         return self._num_params
 
-    @torch.inference_mode()
     def forward(
         self,
         batch: ForwardBatch,
@@ -104,62 +110,22 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Writes the batch's K/V into the pool and returns logits [R, V] fp32
         for ``batch.logits_indices``."""
-        plan = None
-        if backend.plan_attention is not None:
-            k_cache = kv_caches[0][0]  # [NB, BS, KVH, D], as every layer's
-            plan = backend.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                          k_cache.shape[1], k_cache.shape[0])
-        meta = AttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            block_tables=batch.block_tables,
-            seq_lens=batch.seq_lens,
-            query_start_loc=batch.query_start_loc,
-            kv_caches=kv_caches,
-            backend=backend,
-            plan=plan,
-        )
-        out = self.model(
-            input_ids=batch.input_ids.unsqueeze(0),      # [1, T]
-            position_ids=batch.positions.unsqueeze(0),   # [1, T]
-            attention_mask=None,
-            use_cache=False,
-            logits_to_keep=batch.logits_indices,
-            kvpager_meta=meta,
-        )
-        return out.logits[0].float()  # [R, V]
+        return self.impl.forward(batch, kv_caches, backend)
 
 
-class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` with its weight reordered once for oneDNN (CPU).
-
-    The same fp32 math as ``F.linear``, but the default MKL sgemm leaves most
-    of an AVX-512 core idle on small batches: measured on the 2-core CI
-    machine, a [32, 512] x [512, 1376] product takes 0.23 ms instead of 0.46
-    (1.3-3x across the decode and prefill shapes of a step).
-    """
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        # Plain attributes, not parameters: an opaque oneDNN tensor has no storage to save.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-
-
-def pack_linears(model: torch.nn.Module) -> int:
-    """Swap every fp32 ``nn.Linear`` of ``model`` for a ``PackedLinear``
-    (when torch has oneDNN); returns how many were packed."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        return 0
-    targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32]
-    for name, module in targets:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, PackedLinear(module))
-    return len(targets)
+def _choose_impl(requested: str, hf_model, text_config):
+    """``auto``: our own Llama forward where it reproduces the config, else
+    transformers' code; ``kvpager`` insists on ours (an error says why not)."""
+    if requested not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {requested!r}")
+    if requested != "transformers":
+        try:
+            impl = llama.LlamaModel(hf_model, text_config)
+            return "kvpager", impl
+        except llama.Unsupported as exc:
+            if requested == "kvpager":
+                raise ValueError(f"model_impl 'kvpager' cannot serve this checkpoint: {exc}") from exc
+    return "transformers", HFModel(hf_model)
 
 
 def _eos_ids(model, text_config) -> list[int]:

@@ -112,6 +112,7 @@ def _ready_fields(executor: Executor) -> dict:
         "device": info.device,
         "dtype": info.dtype,
         "backend": info.attention_backend,
+        "model_impl": info.model_impl,
         "num_blocks": info.num_blocks,
         "num_swap_blocks": info.num_swap_blocks,
         "kv_pool_bytes": info.kv_pool_bytes,

@@ -157,6 +157,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
             dtype=info.dtype,
             device=info.device,
             attention_backend=info.attention_backend,
+            model_impl=info.model_impl,
             num_blocks=info.num_blocks,
             block_size=info.block_size,
             num_swap_blocks=info.num_swap_blocks,

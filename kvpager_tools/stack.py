@@ -60,6 +60,7 @@ class StackConfig:
     dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
+    model_impl: str = "auto"              # executor: kvpager's own Llama forward | transformers
     log_dir: str | None = None            # None = a fresh temp dir
     log_level: str = "INFO"
     ready_timeout_s: float = 180.0        # per tier (memory, executors, gateway)
@@ -167,7 +168,9 @@ class StackOptions:
     executors: int = dataclasses.field(default=1, metadata={"help": "executors (a drill takes at least what it needs)"})
     num_blocks: int = dataclasses.field(default=0, metadata={"help": "KV blocks per executor (0: its own sizing)"})
     block_size: int = 16
+    dtype: str = dataclasses.field(default="auto", metadata={"help": "executor dtype: auto | float32 | bfloat16 | float16"})
     swap_blocks: int = dataclasses.field(default=-1, metadata={"help": "CPU swap blocks per executor (-1: its own)"})
+    model_impl: str = dataclasses.field(default="auto", metadata={"help": "executor forward: auto | kvpager | transformers"})
     max_model_len: int = dataclasses.field(default=0, metadata={"help": "context limit of the executors (0: the model's)"})
     max_batch_tokens: int = dataclasses.field(default=0, metadata={"help": "gateway: tokens per executor and step"})
     max_running: int = dataclasses.field(default=0, metadata={"help": "gateway: sequences per executor and step"})
@@ -198,7 +201,8 @@ class StackOptions:
         for role, flags in (extra or {}).items():
             args[role] += flags
         fields = dict(model=self.model or None, num_executors=self.executors, num_blocks=self.num_blocks or None,
-                      block_size=self.block_size, swap_blocks=None if self.swap_blocks < 0 else self.swap_blocks,
+                      block_size=self.block_size, dtype=self.dtype, model_impl=self.model_impl,
+                      swap_blocks=None if self.swap_blocks < 0 else self.swap_blocks,
                       log_dir=self.log_dir or None, log_level=self.log_level,
                       metrics_base_port=0 if self.metrics else None, security=security,
                       extra_args={role: flags for role, flags in args.items() if flags})
@@ -242,6 +246,7 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
             "--host", host, "--port", str(exec_port), *advertise, *flags, "--memory-address", memory_address,
             "--block-size", str(config.block_size), *pool, *swap, "--dtype", config.dtype,
             "--device", config.device, "--attention-backend", config.attention_backend,
+            "--model-impl", config.model_impl,
         ), _join(near, exec_port), port, dict(executor_env)))
     flags, port = metrics(1)
     children.append(ChildSpec("gateway", "gateway", kvpager(
@@ -659,7 +664,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default=None, help="turn the Redis mirror on (memory service and gateway)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--device", default="cpu", help="executor device: cpu (default) | cuda | cuda:N | auto")
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "cpu", "triton"))
+    p.add_argument("--model-impl", default="auto", choices=("auto", "kvpager", "transformers"),
+                   help="executor forward: kvpager's own for the Llama family (auto) or transformers' code")
     p.add_argument("--log-dir", default=None, help="child logs (default: a fresh temp dir)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
@@ -686,7 +693,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         gateway_port=args.gateway_port, executor_base_port=args.executor_base_port,
         metrics_base_port=args.metrics_base_port, block_size=args.block_size, num_blocks=num_blocks,
         kv_cache_gib=args.kv_cache_gib, swap_blocks=args.swap_blocks, redis_url=args.redis_url,
-        dtype=args.dtype, device=args.device, attention_backend=args.attention_backend, log_dir=args.log_dir,
+        dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        model_impl=args.model_impl, log_dir=args.log_dir,
         log_level=args.log_level, ready_timeout_s=args.ready_timeout_s, grace_s=args.grace_s,
         security=security if security.enabled or security.open_read_only else None)
 

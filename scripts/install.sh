@@ -14,6 +14,12 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "[install] torch not found: installing the CPU wheel torch==2.13.0" >&2
   "$PY" -m pip install -q "torch==2.13.0"
 fi
+if ! command -v c++ >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  # The executor compiles its C++ CPU kernels on first use (without a compiler it runs the slower torch path).
+  echo "[install] g++ (Debian package) for the C++ CPU kernels" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++) >/dev/null \
+    || echo "[install] apt-get could not install g++: the executor will use its torch kernels" >&2
+fi
 echo "[install] kvpager${extras}" >&2
 "$PY" -m pip install -q -e ".${extras}"
 

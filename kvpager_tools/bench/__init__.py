@@ -1,5 +1,5 @@
-"""`kvpager bench NAME`: benchmarks that print JSON. Each lives beside the
-code it measures and exposes `add_bench_parser(bench_subparsers)`."""
+"""`kvpager bench NAME`: benchmarks that print JSON. Each module here exposes
+`add_bench_parser(bench_subparsers)`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ BENCHMARKS = {
     "executor": "kvpager_tools.bench.executor",
     "serve": "kvpager_tools.bench.serve",
     "compare-hf": "kvpager_tools.bench.compare_hf",
+    "compare-vllm": "kvpager_tools.bench.compare_vllm",
     "overhead": "kvpager_tools.bench.overhead",
     "routing": "kvpager_tools.bench.routing",
 }

@@ -31,6 +31,10 @@ DATASETS = ("random", "sharegpt-like", "prefix-repetition", "shared-system-promp
 
 # The ~30M-parameter random Llama the CPU comparisons use (as `kvpager bench executor`).
 LLAMA_30M = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, model_vocab_size=8192)
+# A random Llama shaped like Qwen2.5-0.5B (compute-bound on CPU): head_dim 64.
+LLAMA_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                 model_vocab_size=32000)
+BENCH_MODELS = {"llama-30m": LLAMA_30M, "llama-0.5b": LLAMA_05B}
 
 
 def progress(name: str, msg: str) -> None:
@@ -41,17 +45,19 @@ def progress(name: str, msg: str) -> None:
 
 
 def model_dir(name: str | None) -> Path:
-    """"demo" / None: the demo model; "llama-30m": the 30M random Llama (built
-    once, shared with `kvpager bench executor`); anything else: a directory."""
+    """"demo" / None: the demo model; "llama-30m" / "llama-0.5b": the random
+    benchmark Llamas (built once, shared with `kvpager bench executor`);
+    anything else: a directory."""
     from kvpager_tools.demo_model import build_demo_model, default_demo_dir, ensure_demo_model
 
     if name in (None, "", "demo"):
         return ensure_demo_model()
-    if name == "llama-30m":
-        out = default_demo_dir().parent / "bench-llama-30m"
+    if name in BENCH_MODELS:
+        out = default_demo_dir().parent / f"bench-{name}"
         if not (out / "config.json").exists():
+            progress("model", f"building the random {name} checkpoint in {out} (once)")
             tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-            build_demo_model(tmp, **LLAMA_30M)
+            build_demo_model(tmp, **BENCH_MODELS[name])
             try:
                 tmp.rename(out)
             except OSError:  # another process built it first

@@ -23,10 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-MODELS = {
-    "demo": dict(),
-    "llama-30m": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, model_vocab_size=8192),
-}
+MODELS = ("demo", "llama-30m", "llama-0.5b")  # kvpager_tools.bench.common.model_dir names
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64, 256)
 
 
@@ -48,16 +45,9 @@ def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:
 
 
 def _model_dir(name: str) -> Path:
-    from kvpager_tools.demo_model import build_demo_model, default_demo_dir, ensure_demo_model
+    from kvpager_tools.bench.common import model_dir
 
-    if name == "demo":
-        return ensure_demo_model()
-    if name in MODELS:
-        out = default_demo_dir().parent / f"bench-{name}"
-        if not (out / "config.json").exists():
-            build_demo_model(out, **MODELS[name])
-        return out
-    return Path(name)
+    return model_dir(name)
 
 
 def _start_step(step_id: int, batch: int, ctx: int, num_blocks_each: int, epoch: int):

@@ -13,6 +13,26 @@ from kvpager.v1 import common_pb2
 
 ALL = ["llama_mha", "llama_gqa", "qwen2"]
 NEW = 6  # generated tokens per sequence
+# (attention backend, model implementation): our own Llama forward on the
+# in-place C++ CPU kernel, and transformers' model code on the torch reference.
+ENGINES = {"kvpager-cpu": ("cpu", "kvpager"), "transformers-torch": ("torch", "transformers")}
+
+
+@pytest.fixture(params=sorted(ENGINES))
+def serve_engine(request, serve):
+    backend, impl = ENGINES[request.param]
+    if backend == "cpu":
+        from kernels import cpu_attention
+
+        if not cpu_attention.available():
+            pytest.skip("the C++ CPU attention kernel did not build here")
+
+    def get(name: str):
+        served = serve(name, backend, model_impl=impl)
+        assert (served.info.attention_backend, served.info.model_impl) == (backend, impl)
+        return served
+
+    return get
 
 
 def _run_to(plan: Plan, seqs, total_new: int) -> None:
@@ -22,8 +42,8 @@ def _run_to(plan: Plan, seqs, total_new: int) -> None:
 
 
 @pytest.mark.parametrize("ckpt", ALL)
-def test_ragged_batch_matches_generate(serve, oracle, ckpt):
-    served = serve(ckpt)
+def test_ragged_batch_matches_generate(serve_engine, oracle, ckpt):
+    served = serve_engine(ckpt)
     plan = Plan(served)
     seqs = [plan.new_seq(p) for p in prompts(4, [3, 9, 1, 14], seed=11)]
     _run_to(plan, seqs, NEW)
@@ -32,8 +52,8 @@ def test_ragged_batch_matches_generate(serve, oracle, ckpt):
 
 
 @pytest.mark.parametrize("ckpt", ALL)
-def test_plain_equal_length_batch(serve, oracle, ckpt):
-    served = serve(ckpt)
+def test_plain_equal_length_batch(serve_engine, oracle, ckpt):
+    served = serve_engine(ckpt)
     plan = Plan(served)
     seqs = [plan.new_seq(p) for p in prompts(3, [8, 8, 8], seed=12)]
     _run_to(plan, seqs, NEW)
@@ -42,8 +62,8 @@ def test_plain_equal_length_batch(serve, oracle, ckpt):
 
 
 @pytest.mark.parametrize("ckpt", ALL)
-def test_shared_prefix_computes_only_the_rest(serve, oracle, ckpt):
-    served = serve(ckpt)
+def test_shared_prefix_computes_only_the_rest(serve_engine, oracle, ckpt):
+    served = serve_engine(ckpt)
     plan = Plan(served)
     [prefix] = prompts(1, [2 * BLOCK_SIZE], seed=13)
     a = plan.new_seq(prefix + [7, 8, 9])
@@ -63,8 +83,8 @@ def test_shared_prefix_computes_only_the_rest(serve, oracle, ckpt):
 
 
 @pytest.mark.parametrize("ckpt", ALL)
-def test_chunked_prefill_mixed_with_decodes(serve, oracle, ckpt):
-    served = serve(ckpt)
+def test_chunked_prefill_mixed_with_decodes(serve_engine, oracle, ckpt):
+    served = serve_engine(ckpt)
     plan = Plan(served)
     long_p, short_p = prompts(2, [19, 5], seed=14)
     long, short = plan.new_seq(long_p), plan.new_seq(short_p)
@@ -80,8 +100,8 @@ def test_chunked_prefill_mixed_with_decodes(serve, oracle, ckpt):
 
 
 @pytest.mark.parametrize("ckpt", ALL)
-def test_fork_copies_the_shared_partial_block(serve, oracle, ckpt):
-    served = serve(ckpt)
+def test_fork_copies_the_shared_partial_block(serve_engine, oracle, ckpt):
+    served = serve_engine(ckpt)
     plan = Plan(served)
     [p] = prompts(1, [2 * BLOCK_SIZE + 2], seed=15)  # last block partial
     parent = plan.new_seq(p)
@@ -109,8 +129,8 @@ def test_fork_copies_the_shared_partial_block(serve, oracle, ckpt):
 
 
 @pytest.mark.parametrize("ckpt", ALL)
-def test_swap_out_then_in_to_other_blocks(serve, oracle, ckpt):
-    served = serve(ckpt)
+def test_swap_out_then_in_to_other_blocks(serve_engine, oracle, ckpt):
+    served = serve_engine(ckpt)
     plan = Plan(served)
     a_p, b_p = prompts(2, [10, 12], seed=16)
     a = plan.new_seq(a_p)
@@ -136,8 +156,8 @@ def test_swap_out_then_in_to_other_blocks(serve, oracle, ckpt):
 
 
 @pytest.mark.parametrize("ckpt", ALL)
-def test_recompute_after_preemption(serve, oracle, ckpt):
-    served = serve(ckpt)
+def test_recompute_after_preemption(serve_engine, oracle, ckpt):
+    served = serve_engine(ckpt)
     plan = Plan(served)
     a_p, b_p = prompts(2, [7, 9], seed=17)
     a = plan.new_seq(a_p)

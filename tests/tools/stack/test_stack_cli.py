@@ -41,7 +41,7 @@ def test_up_two_executors_exact_command_lines():
             "--host", "127.0.0.1", "--port", str(50060 + i), "--metrics-port", str(9102 + i),
             "--memory-address", "127.0.0.1:50051", "--block-size", "32", "--num-blocks", "64",
             "--swap-blocks", "8", "--dtype", "auto", "--device", "cpu", "--attention-backend", "auto",
-            "--log-level", "INFO"]
+            "--model-impl", "auto", "--log-level", "INFO"]
     assert children[3].argv == [PY, "-m", "gateway", "--host", "127.0.0.1", "--port", "50050",
                                 "--metrics-port", "9101", "--memory-address", "127.0.0.1:50051",
                                 "--model", "/models/m", "--redis-url", "redis://cache:6379/0",

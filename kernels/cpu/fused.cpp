@@ -1,0 +1,216 @@
+// Fused elementwise steps of a Llama-family layer on CPU, one pass over
+// memory each instead of five to ten torch ops (each a dispatch, a
+// temporary and a pass): RMSNorm with the residual add, RoPE with the K/V
+// store, SiLU-and-multiply. Rounding follows the unfused torch ops
+// (transformers' Llama code): fp32 math, and for 16-bit dtypes a rounding to
+// the dtype wherever torch would store an intermediate tensor, so results
+// match the reference (`kernels/fused_reference.py`) bit for bit in the
+// elementwise parts; only the order of the RMSNorm sum differs.
+//
+// Built with -ffp-contract=off: a fused multiply-add would round differently
+// from torch's separate multiply and add.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+// Round to T and back: where torch would materialise a T tensor.
+template <typename T>
+inline float rnd(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+template <>
+inline float rnd<float>(float x) {
+  return x;
+}
+
+template <typename T>
+void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int64_t x_s, int64_t o_s, float eps,
+              T* residual, int64_t r_s, const T* delta, int64_t d_s) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_s;
+      T* hr = residual ? residual + r * r_s : nullptr;
+      if (hr) {  // h = residual + delta, stored back as T (torch's add)
+        const T* dr = delta + r * d_s;
+        for (int64_t i = 0; i < n; ++i) hr[i] = static_cast<T>(static_cast<float>(hr[i]) + static_cast<float>(dr[i]));
+        xr = hr;
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      T* orow = out + r * o_s;
+      for (int64_t i = 0; i < n; ++i) {
+        const float y = rnd<T>(static_cast<float>(xr[i]) * inv);  // hidden.to(input_dtype)
+        orow[i] = static_cast<T>(static_cast<float>(w[i]) * y);    // weight * hidden
+      }
+    }
+  });
+}
+
+// out = rms_norm(x) * weight. x: [R, N] (rows may be strided), weight: [N].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [R, N] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "rms_norm: weight [N]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x share one dtype");
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
+                       x.size(1), x.stride(0), out.stride(0), static_cast<float>(eps), nullptr, 0, nullptr, 0);
+  });
+  return out;
+}
+
+// residual += delta (in place, as T), then returns rms_norm(residual) * weight.
+at::Tensor add_rms_norm(const at::Tensor& delta, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.stride(1) == 1 && delta.sizes() == residual.sizes() &&
+                  delta.stride(1) == 1,
+              "add_rms_norm: delta and residual must be [R, N] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == residual.size(1) && weight.is_contiguous(),
+              "add_rms_norm: weight [N]");
+  TORCH_CHECK(delta.scalar_type() == residual.scalar_type() && weight.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: one dtype");
+  auto out = at::empty_like(residual, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, residual.scalar_type(), "add_rms_norm", [&] {
+    rms_rows<scalar_t>(residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                       residual.size(0), residual.size(1), residual.stride(0), out.stride(0),
+                       static_cast<float>(eps), residual.data_ptr<scalar_t>(), residual.stride(0),
+                       delta.data_ptr<scalar_t>(), delta.stride(0));
+  });
+  return out;
+}
+
+// x * cos + rotate_half(x) * sin for one head row, each product and the sum
+// rounded to T as torch does.
+template <typename T>
+inline void rope_row(const T* __restrict x, const T* __restrict cos, const T* __restrict sin, T* __restrict out,
+                     int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {  // first half: x * cos - x[i + half] * sin
+    const float a = rnd<T>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
+    const float b = rnd<T>(-static_cast<float>(x[i + half]) * static_cast<float>(sin[i]));
+    out[i] = static_cast<T>(a + b);
+  }
+  for (int64_t i = half; i < d; ++i) {  // second half: x * cos + x[i - half] * sin
+    const float a = rnd<T>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
+    const float b = rnd<T>(static_cast<float>(x[i - half]) * static_cast<float>(sin[i]));
+    out[i] = static_cast<T>(a + b);
+  }
+}
+
+// qkv: [T, (H + 2 KVH) * D] (one projection's output); cos, sin: [T, D] in
+// the model dtype. Applies RoPE to q (returned, [T, H, D]) and k, and writes
+// k and v into the caches at slot_mapping ([T] int32/int64, negative = skip).
+at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                         int64_t num_kv_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [NB, BS, KVH, D]");
+  const int64_t D = k_cache.size(3), T_ = qkv.size(0), BS = k_cache.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
+              "rope_store_kv: qkv must be [T, (H + 2 KVH) * D] with contiguous rows");
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads && D % 2 == 0, "rope_store_kv: cache heads/dim mismatch");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T_ && cos.size(1) == D && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous(),
+              "rope_store_kv: cos/sin must be contiguous [T, D]");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "rope_store_kv: cache head dim must be contiguous");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && sin.scalar_type() == cos.scalar_type() &&
+                  k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "rope_store_kv: one dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T_, "rope_store_kv: slot_mapping [T]");
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * BS;
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(sp[t] < num_slots, "rope_store_kv: slot out of range");
+  auto q = at::empty({T_, num_heads, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store_kv", [&] {
+    using T = scalar_t;
+    const T* src = qkv.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* snp = sin.data_ptr<T>();
+    T* qp = q.data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    const int64_t q_s = qkv.stride(0);
+    const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
+    const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+    at::parallel_for(0, T_, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* row = src + t * q_s;
+        const T* c = cp + t * D;
+        const T* s = snp + t * D;
+        for (int64_t h = 0; h < num_heads; ++h) rope_row<T>(row + h * D, c, s, qp + (t * num_heads + h) * D, D);
+        const int64_t slot = sp[t];
+        if (slot < 0) continue;
+        const int64_t blk = slot / BS, off = slot % BS;
+        const T* kr = row + num_heads * D;
+        const T* vr = kr + num_kv_heads * D;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          rope_row<T>(kr + h * D, c, s, kc + blk * ks0 + off * ks1 + h * ks2, D);
+          T* vd = vc + blk * vs0 + off * vs1 + h * vs2;
+          for (int64_t i = 0; i < D; ++i) vd[i] = vr[h * D + i];
+        }
+      }
+    });
+  });
+  return q;
+}
+
+template <typename T>
+void silu_mul_rows(const T* src, T* op, int64_t rows, int64_t I, int64_t s0) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = src + t * s0;
+      const T* u = g + I;
+      T* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float x = static_cast<float>(g[i]);
+        const float a = rnd<T>(x / (1.f + kvpager::vexp(-x)));
+        o[i] = static_cast<T>(a * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+// gate_up: [T, 2I] -> silu(gate) * up: [T, I] (silu rounded to T first, as torch).
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be [T, 2I] with contiguous rows");
+  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = at::empty({rows, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, I, gate_up.stride(0));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor delta, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "rope_store_kv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvpager_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_store_kv", &rope_store_kv);
+  m.impl("silu_mul", &silu_mul);
+}

@@ -1,0 +1,404 @@
+// Paged attention on CPU, reading K/V straight from the block pool.
+//
+// The torch reference gathers every sequence's blocks into a padded
+// [S, L, KVH, D] copy per layer before attending; here each (sequence,
+// kv head, query token) walks its block table twice (scores, then values),
+// so a decode reads each cached K/V row once and copies nothing.
+// The H / KVH query heads that share a kv head are computed together: one
+// K/V row load serves the whole GQA group.
+//
+// Registered as torch.ops.kvpager_cpu.paged_attention (see kernels/cpu_attention.py,
+// which decides which sequences come here; kernels/reference.py is the reference).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// A K/V row as float: fp32 rows are read in place, 16-bit ones converted
+// into `buf`.
+template <typename T>
+inline const float* row_f32(const T* __restrict src, float* __restrict buf, int d) {
+#pragma omp simd
+  for (int i = 0; i < d; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+template <>
+inline const float* row_f32<float>(const float* __restrict src, float* __restrict, int) {
+  return src;
+}
+
+template <>
+inline const float* row_f32<c10::BFloat16>(const c10::BFloat16* __restrict src, float* __restrict buf, int d) {
+  // bf16 is the top half of an fp32: widen and shift (the generic cast does not vectorise).
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(src);
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= d; i += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + i)));
+    _mm512_storeu_ps(buf + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < d; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(u[i]) << 16;
+    std::memcpy(buf + i, &bits, sizeof(float));
+  }
+  return buf;
+}
+
+template <int DC>
+inline float dot(const float* __restrict a, const float* __restrict b, int d_rt) {
+  const int d = DC > 0 ? DC : d_rt;
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <int DC>
+inline void axpy(float p, const float* __restrict x, float* __restrict y, int d_rt) {
+  const int d = DC > 0 ? DC : d_rt;
+#pragma omp simd
+  for (int i = 0; i < d; ++i) y[i] += p * x[i];
+}
+
+
+#if defined(__AVX512F__)
+
+// Sixteen vectors -> one: lane t of the result is the sum of v[t]'s lanes
+// (a transpose-and-add tree: ~3 instructions per dot product instead of a
+// full horizontal reduction each).
+inline __m512 reduce16(__m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+// Sixteen elements of a cache row as fp32.
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Scores of up to 16 consecutive keys (rows of `rows`, `stride` floats
+// apart) for each of the G queries: out[g * out_stride + t].
+template <typename T, int DC>
+inline void scores16(const float* qf, int64_t G, const T* rows, int64_t stride, int64_t n, float* out,
+                     int64_t out_stride) {
+  constexpr int C = DC / 16;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qf + g * DC + 16 * c);
+    __m512 acc[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      if (t < n) {
+        const T* r = rows + t * stride;
+        __m512 a = _mm512_mul_ps(qv[0], load16<T>(r));
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16<T>(r + 16 * c), a);
+        acc[t] = a;
+      } else {
+        acc[t] = _mm512_setzero_ps();
+      }
+    }
+    const __m512 sum = reduce16(acc);
+    _mm512_mask_storeu_ps(out + g * out_stride, static_cast<__mmask16>((1u << n) - 1u), sum);
+  }
+}
+
+// acc[g] = sum_t p[g][t] * V[t] for GC query heads starting at g0, the
+// accumulators in registers (GC * DC / 16 of them) for the whole context.
+template <typename T, int DC, int GC>
+inline void pv_chunk(const float* probs, int64_t L, int64_t g0, const T* v, const int32_t* table, int64_t n_blocks,
+                     int64_t BS, int64_t v_s0, int64_t v_s1, int64_t kvh_off, float* acc) {
+  constexpr int C = DC / 16;
+  __m512 a[GC][C];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const T* vb = v + static_cast<int64_t>(table[b]) * v_s0 + kvh_off;
+    const int64_t n = std::min<int64_t>(BS, L - b * BS);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* r = vb + t * v_s1;
+      __m512 vr[C];
+      for (int c = 0; c < C; ++c) vr[c] = load16<T>(r + 16 * c);
+      for (int g = 0; g < GC; ++g) {
+        const __m512 pg = _mm512_set1_ps(probs[(g0 + g) * L + b * BS + t]);
+        for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pg, vr[c], a[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g0 + g) * DC + 16 * c, a[g][c]);
+}
+
+// All G heads in register-sized chunks (at most 16 accumulators each).
+template <typename T, int DC>
+inline void pv_all(const float* probs, int64_t L, int64_t G, const T* v, const int32_t* table, int64_t n_blocks,
+                   int64_t BS, int64_t v_s0, int64_t v_s1, int64_t kvh_off, float* acc) {
+  constexpr int C = DC / 16;
+  constexpr int GMAX = C >= 16 ? 1 : 16 / C;  // 4 heads at D 64, 2 at 128, 1 at 256
+  int64_t g = 0;
+  for (; g + GMAX <= G; g += GMAX) pv_chunk<T, DC, GMAX>(probs, L, g, v, table, n_blocks, BS, v_s0, v_s1, kvh_off, acc);
+  if constexpr (GMAX >= 4) {
+    if (g + 2 <= G) pv_chunk<T, DC, 2>(probs, L, g, v, table, n_blocks, BS, v_s0, v_s1, kvh_off, acc), g += 2;
+  }
+  if constexpr (GMAX >= 2) {
+    for (; g < G; ++g) pv_chunk<T, DC, 1>(probs, L, g, v, table, n_blocks, BS, v_s0, v_s1, kvh_off, acc);
+  }
+}
+#define KVPAGER_HAVE_SCORES16 1
+#endif
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+  int64_t q_s0, q_s1;                    // q [T, H, D] strides (last is 1)
+  int64_t o_s0, o_s1;                    // out [T, H, D]
+  int64_t k_s0, k_s1, k_s2;              // k_cache [NB, BS, KVH, D]
+  int64_t v_s0, v_s1, v_s2;
+  int64_t num_blocks;
+};
+
+// Per-thread scratch, grown on demand.
+struct Scratch {
+  std::vector<float> q, acc, row, scores;
+  void fit(int64_t g, int64_t d, int64_t context) {
+    if (static_cast<int64_t>(q.size()) < g * d) q.resize(g * d), acc.resize(g * d);
+    if (static_cast<int64_t>(row.size()) < d) row.resize(d);
+    if (static_cast<int64_t>(scores.size()) < g * context) scores.resize(g * context);
+  }
+};
+
+// One query token of one sequence against one kv head, its GQA group of
+// query heads at once. `pos`: the query's absolute position (it sees keys
+// 0..pos). Three passes over the context: scores, softmax, weighted values
+// (no online rescaling: the scores of one query fit in a small buffer).
+template <typename T, int DC>
+void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, const int32_t* table,
+                int64_t pos, int64_t kvh, float scale, Scratch& sc) {
+  const int d = DC > 0 ? DC : static_cast<int>(sh.head_dim);
+  const int64_t G = sh.group, BS = sh.block_size;
+  const int64_t L = pos + 1;
+  sc.fit(G, d, L);
+  float* qf = sc.q.data();
+  float* acc = sc.acc.data();
+  float* row = sc.row.data();
+  float* scores = sc.scores.data();  // [G, L]
+  for (int64_t g = 0; g < G; ++g) {
+    const T* qr = q + (kvh * G + g) * sh.q_s1;
+    for (int i = 0; i < d; ++i) qf[g * d + i] = static_cast<float>(qr[i]) * scale;
+  }
+  const int64_t n_blocks = (L + BS - 1) / BS;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const int64_t blk = static_cast<int64_t>(table[b]);
+    const int64_t n = std::min<int64_t>(BS, L - b * BS);
+    const T* kb = k + blk * sh.k_s0 + kvh * sh.k_s2;
+    if (b + 1 < n_blocks) {  // the next block's keys are in another page: start fetching them now
+      const char* next = reinterpret_cast<const char*>(k + static_cast<int64_t>(table[b + 1]) * sh.k_s0 + kvh * sh.k_s2);
+      for (int64_t t = 0; t < std::min<int64_t>(BS, 16); ++t) __builtin_prefetch(next + t * sh.k_s1 * sizeof(T));
+    }
+#ifdef KVPAGER_HAVE_SCORES16
+    if constexpr (DC > 0 && DC % 16 == 0) {
+      for (int64_t t0 = 0; t0 < n; t0 += 16)
+        scores16<T, DC>(qf, G, kb + t0 * sh.k_s1, sh.k_s1, std::min<int64_t>(16, n - t0), scores + b * BS + t0, L);
+      continue;
+    }
+#endif
+    for (int64_t t = 0; t < n; ++t) {
+      const float* kr = row_f32<T>(kb + t * sh.k_s1, row, d);
+      for (int64_t g = 0; g < G; ++g) scores[g * L + b * BS + t] = dot<DC>(qf + g * d, kr, d);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * L;
+    float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) {
+      s[t] = kvpager::vexp(s[t] - mx);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+  }
+#ifdef KVPAGER_HAVE_SCORES16
+  if constexpr (DC > 0 && DC % 16 == 0) {
+    pv_all<T, DC>(scores, L, G, v, table, n_blocks, BS, sh.v_s0, sh.v_s1, kvh * sh.v_s2, acc);
+  } else
+#endif
+  {
+    std::fill(acc, acc + G * d, 0.f);
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const int64_t blk = static_cast<int64_t>(table[b]);
+      const int64_t n = std::min<int64_t>(BS, L - b * BS);
+      const T* vb = v + blk * sh.v_s0 + kvh * sh.v_s2;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* vr = row_f32<T>(vb + t * sh.v_s1, row, d);
+        for (int64_t g = 0; g < G; ++g) axpy<DC>(scores[g * L + b * BS + t], vr, acc + g * d, d);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    T* o = out + (kvh * G + g) * sh.o_s1;
+    for (int i = 0; i < d; ++i) o[i] = static_cast<T>(acc[g * d + i]);
+  }
+}
+
+template <typename T, int DC>
+void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+         const at::Tensor& v_cache, const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl,
+         const std::vector<int64_t>& items, float scale) {
+  // items: flattened (seq, query token) pairs, packed as seq << 32 | token.
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t KVH = sh.num_kv_heads;
+  const int64_t n_work = static_cast<int64_t>(items.size()) * KVH;
+  at::parallel_for(0, n_work, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t item = items[w / KVH];
+      const int64_t kvh = w % KVH;
+      const int64_t s = item >> 32, j = item & 0xffffffff;
+      const int64_t q_len = qsl[s + 1] - qsl[s];
+      const int64_t token = qsl[s] + j;
+      const int64_t pos = static_cast<int64_t>(seq_lens[s]) - q_len + j;
+      attend_one<T, DC>(sh, qp + token * sh.q_s0, kp, vp, op + token * sh.o_s0, tables + s * sh.max_blocks, pos,
+                        kvh, scale, scratch);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_dim(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl,
+                  const std::vector<int64_t>& items, float scale) {
+  switch (sh.head_dim) {
+    case 32: return run<T, 32>(sh, out, q, k, v, tables, seq_lens, qsl, items, scale);
+    case 64: return run<T, 64>(sh, out, q, k, v, tables, seq_lens, qsl, items, scale);
+    case 80: return run<T, 80>(sh, out, q, k, v, tables, seq_lens, qsl, items, scale);
+    case 96: return run<T, 96>(sh, out, q, k, v, tables, seq_lens, qsl, items, scale);
+    case 128: return run<T, 128>(sh, out, q, k, v, tables, seq_lens, qsl, items, scale);
+    case 256: return run<T, 256>(sh, out, q, k, v, tables, seq_lens, qsl, items, scale);
+    default: return run<T, 0>(sh, out, q, k, v, tables, seq_lens, qsl, items, scale);
+  }
+}
+
+// out, q: [T, H, D]; k_cache, v_cache: [NB, BS, KVH, D] (any strides, last 1);
+// block_tables: [S, MB] int32 contiguous; seq_lens: [S] int32; query_start_loc:
+// [S + 1] int32; seqs: [Sd] int64, the sequences to compute (others' rows of
+// `out` are left alone). Query j of sequence s sits at position
+// seq_lens[s] - q_len[s] + j and attends to positions <= its own.
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, const at::Tensor& seqs, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of one shape");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [NB, BS, KVH, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(),
+              "q, out and the caches must share one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "the head dim must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "block_tables must be contiguous [S, MB] int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens must be int32");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+                  query_start_loc.numel() == seq_lens.numel() + 1,
+              "query_start_loc must be [S + 1] int32");
+  TORCH_CHECK(seqs.scalar_type() == at::kLong && seqs.is_contiguous(), "seqs must be int64");
+  Shape sh{};
+  sh.num_heads = q.size(1);
+  sh.head_dim = q.size(2);
+  sh.block_size = k_cache.size(1);
+  sh.num_kv_heads = k_cache.size(2);
+  sh.num_blocks = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(3) == sh.head_dim, "cache head_dim differs from q's");
+  TORCH_CHECK(sh.num_heads % sh.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  sh.group = sh.num_heads / sh.num_kv_heads;
+  sh.max_blocks = block_tables.size(1);
+  sh.q_s0 = q.stride(0), sh.q_s1 = q.stride(1);
+  sh.o_s0 = out.stride(0), sh.o_s1 = out.stride(1);
+  sh.k_s0 = k_cache.stride(0), sh.k_s1 = k_cache.stride(1), sh.k_s2 = k_cache.stride(2);
+  sh.v_s0 = v_cache.stride(0), sh.v_s1 = v_cache.stride(1), sh.v_s2 = v_cache.stride(2);
+
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int64_t* sp = seqs.data_ptr<int64_t>();
+  const int64_t num_seqs = seq_lens.numel();
+  std::vector<int64_t> items;
+  items.reserve(static_cast<size_t>(seqs.numel()));
+  for (int64_t i = 0; i < seqs.numel(); ++i) {
+    const int64_t s = sp[i];
+    TORCH_CHECK(s >= 0 && s < num_seqs, "sequence index out of range");
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    TORCH_CHECK(q_len >= 1 && qsl[s + 1] <= q.size(0) && lens[s] >= q_len, "bad query/sequence lengths");
+    const int64_t need = (static_cast<int64_t>(lens[s]) + sh.block_size - 1) / sh.block_size;
+    TORCH_CHECK(need <= sh.max_blocks, "sequence longer than its block table");
+    for (int64_t b = 0; b < need; ++b) {
+      const int32_t blk = tables[s * sh.max_blocks + b];
+      TORCH_CHECK(blk >= 0 && blk < sh.num_blocks, "block id out of range");
+    }
+    for (int64_t j = 0; j < q_len; ++j) items.push_back((s << 32) | j);
+  }
+  if (items.empty()) return;
+  const float sc = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      return dispatch_dim<float>(sh, out, q, k_cache, v_cache, tables, lens, qsl, items, sc);
+    case at::kBFloat16:
+      return dispatch_dim<c10::BFloat16>(sh, out, q, k_cache, v_cache, tables, lens, qsl, items, sc);
+    case at::kHalf:
+      return dispatch_dim<c10::Half>(sh, out, q, k_cache, v_cache, tables, lens, qsl, items, sc);
+    default:
+      TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvpager_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,99 @@
+"""CPU paged attention that reads K/V in place (the executor's "cpu" backend).
+
+Same signatures as ``kernels.reference``. Sequences with short queries
+(decodes, small chunks) go to a C++ kernel (``kernels/cpu/paged_attention.cpp``)
+that walks each block table with an online softmax: no gathered copy of the
+context per layer and step. Long prefill chunks, where attention is compute
+rather than memory bound, keep the reference's path (one sequence's context
+gathered once, then ``scaled_dot_product_attention``'s flash kernel).
+
+The C++ is built on first use (``kernels.cpu_build``); ``available()`` says
+whether it did. Without a compiler the executor uses the torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from kernels import cpu_build, reference
+
+# Queries up to this long per sequence use the in-place kernel; longer prefill
+# chunks gather once and use SDPA.
+SHORT_QUERY = 16
+
+
+def available() -> bool:
+    """Whether the C++ CPU kernels built and loaded (``kernels.cpu_build``)."""
+    return cpu_build.available()
+
+
+@dataclass(slots=True)
+class _LongChunk:
+    start: int
+    stop: int
+    mask: Optional[torch.Tensor]  # [Q, L] bool; None = plain causal (no cached context)
+    gather: object                # reference._Gather of this sequence's context
+
+
+@dataclass(slots=True)
+class CpuAttentionPlan:
+    """One forward's split of the batch, shared by every layer."""
+
+    short_seqs: torch.Tensor                  # [Ss] int64: sequences for the in-place kernel
+    long_chunks: list = field(default_factory=list)  # [_LongChunk]
+
+
+def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   block_size: int, num_blocks: int) -> CpuAttentionPlan:
+    qsl = query_start_loc.to(torch.int64)
+    lens = seq_lens.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    short = torch.nonzero(q_lens <= SHORT_QUERY).flatten()
+    plan = CpuAttentionPlan(short_seqs=short.contiguous())
+    for s in torch.nonzero(q_lens > SHORT_QUERY).flatten().tolist():
+        start, stop = int(qsl[s]), int(qsl[s + 1])
+        n_q, n_kv = stop - start, int(lens[s])
+        mask = None
+        if n_q != n_kv:  # a chunk after cached context: causal, aligned to the end
+            q_pos = torch.arange(n_kv - n_q, n_kv)
+            mask = torch.arange(n_kv)[None, :] <= q_pos[:, None]  # [Q, L]
+        plan.long_chunks.append(_LongChunk(start, stop, mask, reference._gather_plan(
+            block_tables[s : s + 1], n_kv, None, block_size, num_blocks)))
+    return plan
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: Optional[torch.Tensor] = None,
+    plan: Optional[CpuAttentionPlan] = None,
+) -> torch.Tensor:
+    """``kernels.reference.paged_attention`` computed in place (see the module
+    docstring). q: [T, H, D] -> [T, H, D] in q.dtype."""
+    if out is None:
+        out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
+    if plan is None:
+        plan = plan_attention(tables, lens, qsl, k_cache.shape[1], k_cache.shape[0])
+    if plan.short_seqs.numel():
+        torch.ops.kvpager_cpu.paged_attention(out, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
+                                              qsl.contiguous(), plan.short_seqs, float(scale))
+    for c in plan.long_chunks:
+        k = reference._gather(k_cache, c.gather)  # [1, L, KVH, D]
+        v = reference._gather(v_cache, c.gather)
+        qs = q[c.start : c.stop].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        o = reference._attend(qs, k.transpose(1, 2), v.transpose(1, 2), c.mask, scale, is_causal=c.mask is None)
+        out[c.start : c.stop] = o[0].transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,85 @@
+"""Builds and loads the C++ CPU kernels (``kernels/cpu/*.cpp``) as
+``torch.ops.kvpager_cpu``.
+
+Compiled on first use with the machine's own instruction set
+(``torch.utils.cpp_extension``, cached under ``TORCH_EXTENSIONS_DIR``: about
+half a minute on a 2-core machine, once per machine and source version).
+``available()`` says whether the ops loaded; ``KVPAGER_CPU_KERNELS=0`` turns
+them off. Where they are missing the executor runs the torch references
+(``kernels.reference``, ``kernels.fused_reference``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).with_name("cpu")
+SOURCES = ("paged_attention.cpp", "fused.cpp")
+OPS = ("paged_attention", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul")
+# -ffp-contract=off: the fused elementwise kernels must round like torch's
+# separate multiply and add (the hot loops use explicit FMA intrinsics).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _tag() -> str:
+    """Compiled with -march=native: the build is keyed on the CPU's features
+    (a cache directory shared between machines never loads foreign code), the
+    torch version and the sources."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    h = hashlib.sha1(f"{platform.machine()}|{flags}|{torch.__version__}|{CFLAGS}".encode())
+    for path in sorted(SOURCE_DIR.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _loaded() -> bool:
+    ns = getattr(torch.ops, "kvpager_cpu", None)
+    return ns is not None and all(hasattr(ns, op) for op in OPS)
+
+
+def available() -> bool:
+    """Build (once per machine; cached on disk) and load the ops. False when
+    disabled or when they cannot build (the reason is logged once)."""
+    with _lock:
+        if "ok" not in _state:
+            ok = False
+            if os.environ.get("KVPAGER_CPU_KERNELS", "1") != "0":
+                try:
+                    ok = _build()
+                except Exception as exc:  # no compiler, no headers, ...: the references still work
+                    log.warning("C++ CPU kernels unavailable, using the torch references: %s", exc)
+            _state["ok"] = ok
+        return _state["ok"]
+
+
+def _build() -> bool:
+    if _loaded():
+        return True
+    from torch.utils import cpp_extension
+
+    name = f"kvpager_cpu_{_tag()}"
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    if not (build_dir / f"{name}.so").exists():
+        log.info("compiling the C++ CPU kernels (once per machine, about half a minute) in %s", build_dir)
+    cpp_extension.load(name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=CFLAGS,
+                       extra_ldflags=["-fopenmp"], extra_include_paths=[str(SOURCE_DIR)],
+                       is_python_module=False, verbose=False)
+    return _loaded()

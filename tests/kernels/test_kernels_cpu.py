@@ -1,0 +1,153 @@
+"""The C++ CPU kernels (``kernels/cpu``) against their torch references:
+paged attention against ``kernels.reference`` (and the independent
+contiguous SDPA), the fused layer steps against ``kernels.fused_reference``."""
+
+import pytest
+import torch
+
+from kernels import cpu_attention, cpu_build, fused_reference as FR, reference as R
+from kernels.testing import contiguous_attention, make_paged_batch
+
+pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="the C++ CPU kernels did not build here")
+
+MIXES = {
+    "decode": ([1, 70, 9, 130, 16, 17], [1, 1, 1, 1, 1, 1]),
+    "mixed": ([5, 70, 9, 33, 300], [5, 1, 3, 1, 40]),          # short chunks in C++, a long one via SDPA
+    "prefix_hit": ([150, 20], [13, 20]),
+    "long_prefill": ([90], [90]),
+    "spec_like": ([50, 64], [16, 16]),                         # the longest query the C++ kernel takes
+}
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def _batch(mix, **kw):
+    seq_lens, q_lens = MIXES[mix]
+    params = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    params.update(kw)
+    return make_paged_batch(seq_lens, q_lens, **params)
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_attention_matches_reference(mix, group, block_size):
+    batch = _batch(mix, num_heads=2 * group, block_size=block_size)
+    got = cpu_attention.paged_attention(*batch.args())
+    torch.testing.assert_close(got, R.paged_attention(*batch.args()), **TOL[torch.float32])
+    torch.testing.assert_close(got, contiguous_attention(batch), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])  # 16/80: the generic (not 16-lane) path
+def test_attention_dtypes_head_dims(dtype, head_dim):
+    batch = _batch("mixed", dtype=dtype, head_dim=head_dim)
+    got = cpu_attention.paged_attention(*batch.args())
+    assert got.dtype == dtype and got.shape == batch.q.shape
+    torch.testing.assert_close(got.float(), R.paged_attention(*batch.args()).float(), **TOL[dtype])
+
+
+def test_attention_ignores_garbage_past_each_length():
+    """Slots past a sequence's length (and table padding) are never read: NaN there changes nothing."""
+    batch = _batch("decode")
+    want = cpu_attention.paged_attention(*batch.args())
+    used = set()
+    for s, n in enumerate(batch.seq_lens.tolist()):
+        blocks = batch.block_tables[s, : -(-n // 16)].tolist()
+        used.update(blocks)
+        last, fill = blocks[-1], n % 16
+        if fill:
+            batch.pool[:, :, last, fill:] = float("nan")
+    for b in range(batch.pool.shape[2]):
+        if b not in used:
+            batch.pool[:, :, b] = float("nan")
+    torch.testing.assert_close(cpu_attention.paged_attention(*batch.args()), want)
+
+
+def test_attention_shared_plan_and_threads():
+    batch = _batch("mixed")
+    plan = cpu_attention.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 16,
+                                        batch.k_cache.shape[0])
+    want = R.paged_attention(*batch.args())
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(cpu_attention.paged_attention(*batch.args(), plan=plan), want,
+                                       **TOL[torch.float32])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_attention_rejects_bad_tables_without_reading_them():
+    batch = _batch("decode")
+    bad = batch.block_tables.clone()
+    bad[1, 0] = batch.k_cache.shape[0] + 5  # past the pool
+    args = list(batch.args())
+    args[3] = bad
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_attention.paged_attention(*args)
+    short = batch.block_tables[:, :1].contiguous()  # the 130-token sequence needs 9 blocks
+    args[3] = short
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        cpu_attention.paged_attention(*args)
+
+
+# ---- fused layer steps ----------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _close(got, want, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # at most one rounding step of the 16-bit dtype apart (the fp32 sum order differs)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    _close(torch.ops.kvpager_cpu.rms_norm(x, w, 1e-6), FR.rms_norm(x, w, 1e-6), dtype)
+    delta = torch.randn(7, 96, generator=g).to(dtype)
+    r1, r2 = x.clone(), x.clone()
+    got = torch.ops.kvpager_cpu.add_rms_norm(delta, r1, w, 1e-5)
+    want = FR.add_rms_norm(delta, r2, w, 1e-5)
+    assert torch.equal(r1, r2)  # the residual add rounds exactly as torch's
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kv(dtype):
+    g = torch.Generator().manual_seed(2)
+    t, h, kvh, d, nb, bs = 5, 4, 2, 32, 6, 4
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g).to(dtype)
+    pos = torch.tensor([0, 3, 9, 17, 100])
+    freqs = pos[:, None].float() * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    slots = torch.tensor([3, -1, 8, 21, 0], dtype=torch.int32)  # -1: computed, not stored
+    caches = [torch.zeros(nb, bs, kvh, d, dtype=dtype) for _ in range(4)]
+    q1 = torch.ops.kvpager_cpu.rope_store_kv(qkv, cos, sin, h, kvh, caches[0], caches[1], slots)
+    q2 = FR.rope_store_kv(qkv, cos, sin, h, kvh, caches[2], caches[3], slots)
+    # Elementwise with torch's rounding points: bit-identical.
+    assert torch.equal(q1, q2)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].view(-1, kvh, d)[[3, 8, 21, 0]].abs().sum() > 0
+
+
+def test_rope_store_kv_rejects_slots_past_the_pool():
+    qkv = torch.randn(2, 4 * 16)
+    cos = sin = torch.ones(2, 16)
+    k, v = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.kvpager_cpu.rope_store_kv(qkv, cos, sin, 2, 1, k, v, torch.tensor([0, 8]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    g = torch.Generator().manual_seed(3)
+    gu = (4 * torch.randn(9, 2 * 300, generator=g)).to(dtype)
+    _close(torch.ops.kvpager_cpu.silu_mul(gu), FR.silu_mul(gu), dtype)
