@@ -208,7 +208,8 @@ class ExecutorKV:
         """The planned k tokens count as computed; newly full blocks enter the
         prefix index."""
         seq.num_computed += k
-        n_full = seq.num_computed // self.block_size
+        # A block holding a placeholder is indexed once its id is known (``index_known``).
+        n_full = min(seq.num_computed, len(seq.token_ids) - seq.num_pending) // self.block_size
         if n_full > seq.num_cached_blocks:
             bs = self.block_size
             hashes = self._hashes(seq, n_full)
@@ -220,6 +221,12 @@ class ExecutorKV:
                     parent = hashes[i - 1] if i else None
                     pool.cache_block(block, hashes[i], tokens[i * bs:(i + 1) * bs], parent, i)
             seq.num_cached_blocks = n_full
+
+    def index_known(self, seq: Sequence) -> None:
+        """Index the computed full blocks whose placeholder tokens just got
+        their ids (``commit`` leaves those out)."""
+        if seq.status is SeqStatus.RUNNING and seq.num_computed // self.block_size > seq.num_cached_blocks:
+            self.commit(seq, 0)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return _cdiv(num_tokens, self.block_size) <= self.pool.num_blocks

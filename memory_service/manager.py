@@ -22,7 +22,7 @@ from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 from memory_service.planner import Planner
 from memory_service.policy import EvictionPolicy, ModePolicy, VictimEligibility, VictimPolicy
 from memory_service.records import NewSeq, PrefixScore, Rejected, RejectionReason, StepInput, StepOutput
-from memory_service.sequence import Sequence
+from memory_service.sequence import PLACEHOLDER, Sequence
 from memory_service.validation import DecodeStep, StepValidator
 
 
@@ -79,6 +79,7 @@ class MemoryManager:
         ids = list(kv.seq_ids)
         for seq_id in ids:
             seq = self.seqs.pop(seq_id)
+            self.validator.pending_total -= seq.num_pending
             kv.release(seq)
             self.validator.remember_freed(seq_id)
         kv.seq_ids.clear()
@@ -130,7 +131,18 @@ class MemoryManager:
             self._fork(parent_id, children)
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
         for i, seq_id in enumerate(ids):
-            self.seqs[seq_id].token_ids.extend(toks[offs[i]:offs[i + 1]])
+            seq = self.seqs[seq_id]
+            chunk = toks[offs[i]:offs[i + 1]]
+            if seq.num_pending and len(chunk):
+                # The first tokens are the ones an earlier step held placeholders for.
+                k = min(seq.num_pending, len(chunk))
+                start = len(seq.token_ids) - seq.num_pending
+                seq.token_ids[start:start + k] = chunk[:k]
+                seq.num_pending -= k
+                self.validator.pending_total -= k
+                chunk = chunk[k:]
+                self.executors[seq.executor_id].index_known(seq)
+            seq.token_ids.extend(chunk)
         for seq_id in step.free_seq_ids:
             self._free(seq_id)
         for seq_id in step.abort_seq_ids:
@@ -141,6 +153,11 @@ class MemoryManager:
             if rejection is not None:
                 out.rejected.append(rejection)
                 rejected.add(new.seq_id)
+        for seq_id in step.pending_seq_ids:
+            seq = self.seqs[seq_id]
+            seq.token_ids.append(PLACEHOLDER)
+            seq.num_pending += 1
+            self.validator.pending_total += 1
         return rejected
 
     def _create(self, new: NewSeq) -> Rejected | None:
@@ -184,6 +201,7 @@ class MemoryManager:
 
     def _free(self, seq_id: int) -> int:
         seq = self.seqs.pop(seq_id)
+        self.validator.pending_total -= seq.num_pending
         kv = self.executors[seq.executor_id]
         kv.seq_ids.discard(seq_id)
         self.validator.remember_freed(seq_id)

@@ -40,6 +40,10 @@ class StepInput:
     new_seqs: list[NewSeq] = field(default_factory=list)
     schedule_seq_ids: array | list[int] = field(default_factory=list)
     schedule_num_tokens: array | list[int] = field(default_factory=list)
+    # Sequences whose next token an Execute in flight is sampling: each gets a
+    # placeholder token now (so it can be scheduled before the id is known);
+    # a later step's appended replaces it.
+    pending_seq_ids: array | list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -10,6 +10,10 @@ from kvpager.seq_status import SeqStatus
 from memory_service.block import Block
 
 
+PLACEHOLDER = -1     # a token id not known yet (see Sequence.num_pending)
+MAX_PENDING = 2      # placeholders one sequence may hold (Executes in flight ahead of its appends)
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """Mutated only by the executor's KVManager (blocks, counts) and the
@@ -36,7 +40,15 @@ class Sequence:
     num_prompt_tokens: int = 0
     token_limit: int = 0            # most tokens it may ever hold (context, pool, max_total_tokens)
     on_executor: bool = False       # the executor holds a table for it (started or forked, not dropped since)
+    # Trailing placeholders in token_ids (PLACEHOLDER): tokens an Execute in
+    # flight is sampling; the next appends replace them. Never hashed.
+    num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids are known (all but the pending placeholders)."""
+        return len(self.token_ids) - self.num_pending

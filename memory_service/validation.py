@@ -27,7 +27,7 @@ from kvpager.errors import AlreadyExists, FailedPrecondition, InvalidArgument, N
 from kvpager.seq_status import SeqStatus
 from memory_service.kv_manager import ExecutorKV
 from memory_service.records import StepInput
-from memory_service.sequence import Sequence
+from memory_service.sequence import MAX_PENDING, Sequence
 
 # Token ids are hashed as uint32: the bound when an executor registers no vocabulary.
 _MAX_TOKEN_ID = 2**32 - 1
@@ -57,6 +57,9 @@ class StepValidator:
         self.executors = executors
         self._freed: OrderedDict[int, None] = OrderedDict()
         self._unit_offsets = array("i", [0])  # [0, 1, ..., n]: one appended token per sequence
+        # Placeholder tokens live sequences hold (kept by the manager): while
+        # any exist, appends may replace them, which only the general path does.
+        self.pending_total = 0
 
     def remember_freed(self, seq_id: int) -> None:
         self._freed[seq_id] = None
@@ -82,8 +85,9 @@ class StepValidator:
         """The step's sequences when it is a valid decode step; None when it is
         anything else or anything in it is wrong (then ``check`` decides).
         Changes nothing."""
-        if step.forks or step.free_seq_ids or step.abort_seq_ids or step.new_seqs:
-            return None
+        if step.forks or step.free_seq_ids or step.abort_seq_ids or step.new_seqs or step.pending_seq_ids \
+                or self.pending_total:
+            return None  # placeholders to add or replace: the general path
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
         sids, nums = step.schedule_seq_ids, step.schedule_num_tokens
         n, ns = len(ids), len(sids)
@@ -145,6 +149,9 @@ class StepValidator:
                 raise FailedPrecondition(f"fork: sequence {parent_id} is swapped out")
             if not children:
                 raise InvalidArgument("fork: no child sequence ids")
+            if parent is not None and parent.num_pending:
+                raise FailedPrecondition(f"fork: sequence {parent_id} has a token still being sampled "
+                                         "(fork after its append)")
             for child in children:
                 if alive(child) or child in created:
                     raise AlreadyExists(f"fork: sequence {child} already exists")
@@ -164,6 +171,8 @@ class StepValidator:
                 n = offs[i + 1] - offs[i]
                 if n < 0:
                     raise InvalidArgument("appended: offsets must not decrease")
+                if seq.seq_id == seq_id:
+                    n -= min(n, seq.num_pending)  # those replace placeholders
                 if len(seq.token_ids) + n > seq.token_limit:
                     raise InvalidArgument(f"appended: sequence {seq_id} would hold {seq.num_tokens + n} tokens, "
                                           f"over its limit of {seq.token_limit}")
@@ -215,6 +224,26 @@ class StepValidator:
         if nums and min(nums) < 1:
             raise InvalidArgument("schedule: num_tokens must be >= 1")
         appended = {seq_id: offs[i + 1] - offs[i] for i, seq_id in enumerate(ids)} if ids else {}
+        pending = set(step.pending_seq_ids)
+        if pending:
+            if len(pending) != len(step.pending_seq_ids):
+                raise InvalidArgument("pending: a sequence appears twice")
+            for seq_id in pending:
+                seq = live.get(seq_id)
+                if seq is None or seq_id in gone:
+                    if seq_id in new_ids or seq_id in created:
+                        raise FailedPrecondition(f"pending: sequence {seq_id} is new in this step: it has "
+                                                 "sampled nothing yet")
+                    raise self.missing(seq_id, "pending")
+                if seq.status is not SeqStatus.RUNNING:
+                    raise FailedPrecondition(f"pending: sequence {seq_id} is {seq.status.name.lower()}, not "
+                                             "running: nothing of it is being sampled")
+                replaced = min(appended.get(seq_id, 0), seq.num_pending)
+                if seq.num_pending - replaced + 1 > MAX_PENDING:
+                    raise FailedPrecondition(f"pending: sequence {seq_id} would hold more than {MAX_PENDING} "
+                                             "tokens not yet known")
+                if seq.num_tokens + appended.get(seq_id, 0) - replaced + 1 > seq.token_limit:
+                    raise InvalidArgument(f"pending: sequence {seq_id} is at its limit of {seq.token_limit} tokens")
         waiting = SeqStatus.WAITING
         for seq_id in sids:
             base = live.get(seq_id)
@@ -225,7 +254,10 @@ class StepValidator:
                     raise self.missing(seq_id, "schedule")
                 base = live[self._origin(seq_id, created)]
             if base.status is not waiting:
-                remaining = base.num_tokens + appended.get(seq_id, 0) - base.num_computed
+                extra = appended.get(seq_id, 0)
+                if base.seq_id == seq_id:
+                    extra -= min(extra, base.num_pending)
+                remaining = base.num_tokens + extra + (seq_id in pending) - base.num_computed
                 if remaining < 1:
                     raise InvalidArgument(f"schedule: sequence {seq_id} has no token left to compute "
                                           "(append the sampled token first)")
