@@ -14,6 +14,7 @@ BENCHMARKS = {
     "compare-hf": "kvpager_tools.bench.compare_hf",
     "overhead": "kvpager_tools.bench.overhead",
     "routing": "kvpager_tools.bench.routing",
+    "penalties": "kvpager_tools.bench.penalties",
 }
 
 

@@ -87,12 +87,17 @@ async def _run_one(target, memory: str | None, requests, rate: float, args, salt
     if watch is not None:
         watch.start()
     t0 = time.time()
+    cpu0 = time.process_time()
     res = await bc.run_load(target, requests, rate=rate, max_concurrency=args.max_concurrency,
                             ignore_eos=args.ignore_eos, seed=args.seed, cache_salt=salt, on_done=progress)
+    client_cpu_s = time.process_time() - cpu0
     if watch is not None:
         await watch.stop()
     result = {"backend": target.backend, "request_rate": "inf" if math.isinf(rate) else rate,
               **bc.load_metrics(res, bc.parse_slo(args.goodput))}
+    # the load generator's own CPU (this process), taken from the server on a shared machine
+    result["client_cpu_us_per_token"] = (round(client_cpu_s / result["output_tokens"] * 1e6, 1)
+                                         if result["output_tokens"] else None)
     if memory:
         after = await bc.accounting(memory)
         result["memory"] = bc.accounting_delta(before, after)

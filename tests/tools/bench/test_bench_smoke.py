@@ -139,3 +139,13 @@ def test_routing(model):
     assert result["hit_rate_vs_best"] == pytest.approx(1.0)
     assert result["throughput_ratio"] > 0 and result["ttft_p90_ratio"] > 0
     json.dumps(result)
+
+
+def test_penalties_bytes_do_not_grow_with_the_context():
+    from kvpager_tools.bench.penalties import executor_us, message_bytes
+
+    short, long = message_bytes(8, 64), message_bytes(8, 1024)
+    assert short["penalties_bytes"] == long["penalties_bytes"] < 2 * short["plain_bytes"]
+    assert long["penalties_history_every_step_bytes"] > 8 * 1024 * 4  # what the executor's histories save
+    t = executor_us(4, 64, 320, repeats=2)
+    assert t["history_resolve_us"] > 0 and t["sample_penalties_us"] > 0
