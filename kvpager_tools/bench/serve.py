@@ -80,7 +80,21 @@ def parse_rates(text: str) -> list[float]:
 # ---- one run -------------------------------------------------------------------------
 
 
-async def _run_one(target, memory: str | None, requests, rate: float, args, salt: str, progress) -> dict:
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a local process (/proc), None when unknown."""
+    if pid is None:
+        return None
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    import os
+
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _run_one(target, memory: str | None, requests, rate: float, args, salt: str, progress,
+                   gateway_pid: int | None = None) -> dict:
     target = bc.Target.of(target)
     before = await bc.accounting(memory) if memory else None
     watch = bc.AccountingWatch(memory, interval_ms=100) if memory else None
@@ -88,9 +102,11 @@ async def _run_one(target, memory: str | None, requests, rate: float, args, salt
         watch.start()
     t0 = time.time()
     cpu0 = time.process_time()
+    gateway_cpu0 = process_cpu_s(gateway_pid)
     res = await bc.run_load(target, requests, rate=rate, max_concurrency=args.max_concurrency,
                             ignore_eos=args.ignore_eos, seed=args.seed, cache_salt=salt, on_done=progress)
     client_cpu_s = time.process_time() - cpu0
+    gateway_cpu1 = process_cpu_s(gateway_pid)
     if watch is not None:
         await watch.stop()
     result = {"backend": target.backend, "request_rate": "inf" if math.isinf(rate) else rate,
@@ -98,6 +114,9 @@ async def _run_one(target, memory: str | None, requests, rate: float, args, salt
     # the load generator's own CPU (this process), taken from the server on a shared machine
     result["client_cpu_us_per_token"] = (round(client_cpu_s / result["output_tokens"] * 1e6, 1)
                                          if result["output_tokens"] else None)
+    if gateway_cpu0 is not None and gateway_cpu1 is not None and result["output_tokens"]:
+        # the gateway process (engine loop + its front door), embedded stacks only: what the API costs the server
+        result["gateway_cpu_us_per_token"] = round((gateway_cpu1 - gateway_cpu0) / result["output_tokens"] * 1e6, 1)
     if memory:
         after = await bc.accounting(memory)
         result["memory"] = bc.accounting_delta(before, after)
@@ -110,7 +129,7 @@ async def _run_one(target, memory: str | None, requests, rate: float, args, salt
 
 
 def run_serve(target, memory: str | None, requests, rates: list[float], args, console=None,
-              salt: str = "serve") -> list[dict]:
+              salt: str = "serve", gateway_pid: int | None = None) -> list[dict]:
     """Each rate in turn (a fresh cache salt per run: no run reuses an earlier run's prefixes)."""
     gateway = target
     runs = []
@@ -123,9 +142,10 @@ def run_serve(target, memory: str | None, requests, rates: list[float], args, co
                           TimeElapsedColumn(), console=console, transient=True) as bar:
                 task = bar.add_task("requests", total=len(requests))
                 runs.append(asyncio.run(_run_one(gateway, memory, requests, rate, args, f"{salt}-{i}",
-                                                 lambda _rec: bar.advance(task))))
+                                                 lambda _rec: bar.advance(task), gateway_pid)))
         else:
-            runs.append(asyncio.run(_run_one(gateway, memory, requests, rate, args, f"{salt}-{i}", None)))
+            runs.append(asyncio.run(_run_one(gateway, memory, requests, rate, args, f"{salt}-{i}", None,
+                                             gateway_pid)))
     return runs
 
 
@@ -140,7 +160,9 @@ def comparison(runs: list[dict]) -> list[dict]:
                 by.setdefault(r["backend"], []).append(r)
         row = {"request_rate": rate}
         for backend, rs in by.items():
+            cpu = [r["gateway_cpu_us_per_token"] for r in rs if r.get("gateway_cpu_us_per_token") is not None]
             row[backend] = {"output_throughput": statistics.median(r["output_throughput"] for r in rs),
+                            "gateway_cpu_us_per_token": statistics.median(cpu) if cpu else None,
                             "request_throughput": statistics.median(r["request_throughput"] for r in rs),
                             "ttft_median_ms": statistics.median(r["ttft_ms"]["median"] or 0 for r in rs),
                             "runs": len(rs)}
@@ -316,7 +338,7 @@ def serve(args: argparse.Namespace, console=None) -> dict:
             setattr(args, name, default)
     config = {k: v for k, v in vars(args).items() if k not in ("func", "bench", "command", "api_key")}
 
-    def body(gateway: str | None, memory: str | None, base_url: str | None) -> dict:
+    def body(gateway: str | None, memory: str | None, base_url: str | None, gateway_pid: int | None = None) -> dict:
         targets = _targets(args, gateway, base_url)
         if gateway:
             lo, hi = _token_range_for(args, gateway)
@@ -331,7 +353,8 @@ def serve(args: argparse.Namespace, console=None) -> dict:
         runs = []
         for r in range(max(1, args.repeat)):
             for t in targets:  # alternating, so drift in the machine's load hits every backend alike
-                runs += run_serve(t, memory, requests, rates, args, console, salt=f"serve-{r}-{t.backend}")
+                runs += run_serve(t, memory, requests, rates, args, console, salt=f"serve-{r}-{t.backend}",
+                                  gateway_pid=gateway_pid)
         out = {"best_prefix_hit_rate": round(bc.best_hit_rate(requests, 16), 5), "runs": runs}
         if len(targets) > 1 or args.repeat > 1:
             out["comparison"] = comparison(runs)
@@ -347,7 +370,8 @@ def serve(args: argparse.Namespace, console=None) -> dict:
         if console is not None:
             console.print(f"starting the stack: {args.executors} executor(s), {model}", style="dim")
         with bc.embedded_stack(opts) as stack:
-            result = body(stack.addresses.gateway, stack.addresses.memory, stack.addresses.http)
+            result = body(stack.addresses.gateway, stack.addresses.memory, stack.addresses.http,
+                          stack.pid("gateway"))
     return {"benchmark": NAME, "machine": machine(), "config": config, **result}
 
 
