@@ -269,8 +269,11 @@ def make_app(ctx: HttpContext) -> FastAPI:
 
 async def _events(renderer: Renderer, streams: list, include_usage: bool, prefixes: dict[int, str],
                   num_prompts: int):
-    """The SSE body: chat's first delta per choice carries the role; each
-    choice's last chunk its finish_reason; a usage chunk when asked; [DONE]."""
+    """The SSE body: chat's first delta per choice carries the role; then one
+    chunk per step with new tokens (its text may be empty: held back while it
+    might become a stop string or a multi-byte character, or special tokens
+    skipped); each choice's last chunk its finish_reason; a usage chunk when
+    asked; [DONE]."""
     usage = Usage()
     first = True
     async for i, out in merged(streams):
@@ -281,9 +284,8 @@ async def _events(renderer: Renderer, streams: list, include_usage: bool, prefix
         index = renderer.index(i, out)
         choice = renderer.stream_choice(index, out, prefixes.pop(index, ""))
         usage.add(i, out)
-        if choice["finish_reason"] is None and not choice["logprobs"] and not (choice.get("text")
-                                                                               or choice.get("delta")):
-            continue  # nothing new yet (text held back for a stop string or a split character)
+        if not out.token_ids and choice["finish_reason"] is None:
+            continue  # no new token (as vLLM: a token whose text is held back still gets its chunk)
         yield event(renderer.chunk([choice], include_usage))
     if include_usage:
         yield event(renderer.usage_chunk(usage))

@@ -124,8 +124,8 @@ class Renderer:
         logprobs = self.logprobs(index, out, offset + len(prefix))
         self.offsets[index] = offset + len(text)
         if self.chat:
-            return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                    "finish_reason": finish}
+            return {"index": index, "delta": {"content": text} if text or out.token_ids else {},
+                    "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def usage_chunk(self, usage: Usage) -> dict:

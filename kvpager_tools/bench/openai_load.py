@@ -3,7 +3,9 @@ engine's): ``--backend openai`` streams /v1/completions with the prompt's
 token ids (the same workload as gRPC), ``openai-chat`` streams
 /v1/chat/completions with the prompt's text as one user message. Both ask
 for ``stream_options.include_usage`` (output and cached tokens come from
-the usage chunk; a server without it counts one token per chunk).
+the usage chunk; a server without it counts one token per chunk). A
+token's arrival is its chunk's, text or not: the server sends a chunk per
+step with new tokens even while their text is held back (as vLLM does).
 """
 
 from __future__ import annotations
@@ -61,10 +63,14 @@ async def stream_one(client: HttpClient, path: str, body: dict, rec) -> int:
                 return 200
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or ():
-                text = choice.get("text")
-                if text is None:
-                    text = (choice.get("delta") or {}).get("content")
-                if text:
+                # a chunk per step with new tokens (their text may be empty); chat's role-only first
+                # chunk and a bare finish carry none
+                if "text" in choice:
+                    has_tokens = bool(choice["text"]) or choice.get("finish_reason") is None
+                else:
+                    delta = choice.get("delta") or {}
+                    has_tokens = "content" in delta and "role" not in delta
+                if has_tokens:
                     num_chunks += 1
                     rec.chunk_s.append(arrived)
                     if rec.first_s is None:
