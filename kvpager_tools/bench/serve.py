@@ -167,10 +167,18 @@ def comparison(runs: list[dict]) -> list[dict]:
                             "ttft_median_ms": statistics.median(r["ttft_ms"]["median"] or 0 for r in rs),
                             "runs": len(rs)}
         if "grpc" in by:
-            for backend in by:
-                if backend != "grpc" and row[backend]["output_throughput"]:
-                    row[f"grpc_over_{backend}_throughput"] = round(
-                        row["grpc"]["output_throughput"] / row[backend]["output_throughput"], 3)
+            grpc_by_round = {r.get("round"): r["output_throughput"] for r in by["grpc"]}
+            for backend, rs in by.items():
+                if backend == "grpc" or not row[backend]["output_throughput"]:
+                    continue
+                row[f"grpc_over_{backend}_throughput"] = round(
+                    row["grpc"]["output_throughput"] / row[backend]["output_throughput"], 3)
+                # each round's two runs are adjacent in time: their ratio cancels slow drift in the machine's load
+                paired = sorted(grpc_by_round[r["round"]] / r["output_throughput"] for r in rs
+                                if r.get("round") in grpc_by_round and r["output_throughput"])
+                if paired:
+                    row[f"grpc_over_{backend}_paired"] = {"median": round(statistics.median(paired), 3),
+                                                          "min": round(paired[0], 3), "max": round(paired[-1], 3)}
         out.append(row)
     return out
 
@@ -353,8 +361,9 @@ def serve(args: argparse.Namespace, console=None) -> dict:
         runs = []
         for r in range(max(1, args.repeat)):
             for t in targets:  # alternating, so drift in the machine's load hits every backend alike
-                runs += run_serve(t, memory, requests, rates, args, console, salt=f"serve-{r}-{t.backend}",
-                                  gateway_pid=gateway_pid)
+                for run in run_serve(t, memory, requests, rates, args, console, salt=f"serve-{r}-{t.backend}",
+                                     gateway_pid=gateway_pid):
+                    runs.append({"round": r, **run})
         out = {"best_prefix_hit_rate": round(bc.best_hit_rate(requests, 16), 5), "runs": runs}
         if len(targets) > 1 or args.repeat > 1:
             out["comparison"] = comparison(runs)
