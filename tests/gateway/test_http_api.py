@@ -6,7 +6,6 @@ tokenize, health, metrics — every block back afterwards."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
