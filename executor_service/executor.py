@@ -20,6 +20,7 @@ import torch
 from executor_service import metrics
 from executor_service.attention import load_backend
 from executor_service.config import ExecutorConfig
+from executor_service.history import TokenHistories
 from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidates
 from executor_service.kv_pool import GIB, KvPool, block_bytes, device_pool_budget, num_blocks_for_bytes
 from executor_service.model_runner import ModelRunner, resolve_device
@@ -148,6 +149,8 @@ class Executor:
         self.write_log = WriteLog(self.pool.block_size)  # blocks recent steps wrote (ConfirmPool)
         # The running sequences' block tables: kept here, changed by each plan (docs/executor.md).
         self.tables = BlockTables(num_blocks, config.block_size, self.max_model_len)
+        # The penalised sequences' tokens, following the same plans (history.py).
+        self.histories = TokenHistories()
         self._limits = PoolLimits(
             num_blocks=num_blocks,
             num_swap_blocks=num_swap,
@@ -252,13 +255,15 @@ class Executor:
         with self._lock:
             resolved = self.tables.resolve(step.table_epoch, step.tables, step.seq_ids, step.query_lens,
                                            step.context_lens)
+            histories = self.histories.resolve(step, resolved)
             # Recorded before anything is touched: a ConfirmPool racing this step sees it.
             self.last_step_id = step.step_id
             self.write_log.record(step.step_id, resolved.slot_mapping, step.cache_ops.copy_dst,
                                   step.cache_ops.swap_in_dst)
             self.tables.commit(resolved, step.seq_ids, step.query_lens)
+            self.histories.commit(histories)
             try:
-                return self._run(step, resolved)
+                return self._run(step, resolved, histories.rows)
             except Exception as exc:
                 # The pool may hold half-applied moves now: invalidate what
                 # the memory service remembers of it, and every table.
@@ -266,6 +271,7 @@ class Executor:
                 self.last_step_id = 0  # a new generation has applied nothing yet
                 self.write_log.reset()
                 self.tables.clear()
+                self.histories.clear()
                 if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
                     metrics.FAILED_STEPS.labels(self.executor_id, "error").inc()
                     raise
@@ -278,7 +284,7 @@ class Executor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _run(self, step: StepInput, resolved: Resolved) -> StepOutput:
+    def _run(self, step: StepInput, resolved: Resolved, histories: dict) -> StepOutput:
         ops = step.cache_ops
         t0 = time.perf_counter()
         if ops.num_ops:
@@ -299,7 +305,7 @@ class Executor:
         top_counts = np.zeros(n, np.int64)
         if num_tokens and len(batch.logits_indices):
             rows = np.nonzero((sampling.num_samples > 0) | (sampling.num_top_logprobs > 0))[0]
-            out = sample(logits, build_sampling_inputs(step, resolved, self.device))
+            out = sample(logits, build_sampling_inputs(step, resolved, self.device, histories))
             token_ids = out.token_ids.to(torch.int32).cpu().numpy()
             logprobs = out.logprobs.cpu().numpy().astype(np.float32) if out.logprobs is not None else None
             top_counts[rows] = out.top_counts.cpu().numpy()

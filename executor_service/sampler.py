@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, reproducible seeds.
+"""Token sampling: greedy, temperature, penalties, logit bias, min-p, top-k,
+top-p, reproducible seeds.
 
 Randomness never comes from a global RNG or from a row's place in the batch.
 Each sampled token draws from a counter-based hash of
@@ -12,12 +13,29 @@ completion i the seed ``seed + i`` — and so completion i equals what a
 request with that seed alone would produce.
 
 The draw is an exponential race (the Gumbel-max trick): the token maximising
-``log p_t - log(-log u_t)`` is an exact sample of ``p`` after temperature,
-top-k and top-p filtering.
+``log p_t - log(-log u_t)`` is an exact sample of ``p`` after the logits
+processing below.
+
+Processing, in vLLM's order (each step the same float32 arithmetic as
+transformers' own processor, so the result is exact against it):
+
+1. ``adjust`` (every row, greedy ones too): logit bias (added), then the
+   penalties: repetition over the prompt's and the generated tokens
+   (``RepetitionPenaltyLogitsProcessor``: positive logits divided, negative
+   ones multiplied), frequency and presence over the generated ones
+   (OpenAI's ``l - f * count - p * (count > 0)``);
+2. ``warp`` (rows that sample): temperature, min_p (``MinPLogitsWarper``),
+   top-k, top-p.
+
+A neutral value (bias 0, penalty 1 or 0, min_p 0) leaves a row bit-for-bit
+unchanged, so rows with and without each parameter share one vectorised pass.
+The token histories penalties count arrive as flat (row, token) pairs; the
+sampler is a pure function of (logits, inputs).
 
 Logprobs are always taken from ``log_softmax`` of the RAW logits (before
-temperature and filtering), both for the sampled token and for the top-k
-alternatives returned for beam search.
+bias, penalties, temperature and filtering: vLLM's default "raw" logprobs),
+both for the sampled token and for the top alternatives (beam search,
+``top_logprobs``).
 """
 
 from __future__ import annotations
@@ -70,6 +88,21 @@ class SamplingInputs:
     seeds: torch.Tensor             # [sum(num_samples)] int64
     num_top_logprobs: torch.Tensor  # [R] int64
     return_logprobs: bool = False
+    min_p: torch.Tensor | None = None               # [R] float32 in [0, 1]; None: off for every row
+    # logit bias, one entry per (row, token): [B] int64, int64, float32
+    bias_rows: torch.Tensor | None = None
+    bias_token_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    # penalties, for the rows penalty_rows [P] (int64 logits rows) only
+    penalty_rows: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None    # [P] float32
+    frequency_penalty: torch.Tensor | None = None   # [P] float32
+    repetition_penalty: torch.Tensor | None = None  # [P] float32 > 0
+    # each penalised row's tokens (prompt + generated), flat: [H] int64 index into
+    # penalty_rows, [H] int64 token id, [H] bool (generated, not prompt)
+    history_index: torch.Tensor | None = None
+    history_token_ids: torch.Tensor | None = None
+    history_is_output: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -102,10 +135,67 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     if bool(use_p.any()):
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # [N, V]
-        drop = mass_before >= top_p[:, None]
+        # Rows without top-p drop nothing: their mass can round past 1.0 before the tail.
+        drop = (mass_before >= top_p[:, None]) & use_p[:, None]
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                     values: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] + bias at (rows[i], token_ids[i]) [B] (distinct pairs)."""
+    out = logits.clone()
+    out.index_put_((rows, token_ids), values.to(out.dtype), accumulate=True)
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties on ``inputs.penalty_rows`` of logits [R, V]."""
+    rows = inputs.penalty_rows
+    sub = logits[rows]  # [P, V]
+    num_rows, vocab = sub.shape
+    index, tokens, is_out = inputs.history_index, inputs.history_token_ids, inputs.history_is_output
+    seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=sub.device)
+    seen[index, tokens] = True  # prompt + generated
+    counts = torch.zeros(num_rows, vocab, dtype=sub.dtype, device=sub.device)
+    counts.index_put_((index[is_out], tokens[is_out]), torch.ones_like(tokens[is_out], dtype=sub.dtype),
+                      accumulate=True)  # generated only
+    rep = inputs.repetition_penalty[:, None].to(sub.dtype)
+    sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
+    sub = sub - inputs.frequency_penalty[:, None].to(sub.dtype) * counts
+    sub = sub - inputs.presence_penalty[:, None].to(sub.dtype) * (counts > 0).to(sub.dtype)
+    out = logits.clone()
+    out[rows] = sub
+    return out
+
+
+def adjust(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
+    """Logit bias and penalties on the raw logits [R, V] (what greedy rows take the argmax of)."""
+    if inputs.bias_rows is not None and inputs.bias_rows.numel():
+        logits = apply_logit_bias(logits, inputs.bias_rows, inputs.bias_token_ids, inputs.bias_values)
+    if inputs.penalty_rows is not None and inputs.penalty_rows.numel():
+        logits = apply_penalties(logits, inputs)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p [N] x the row's top probability
+    (logits [N, V], temperature applied; min_p 0 masks nothing)."""
+    probs = logits.softmax(dim=-1)
+    remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    remove.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)  # the top token always stays
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def warp(adjusted: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None, top_k: torch.Tensor,
+         top_p: torch.Tensor) -> torch.Tensor:
+    """The logits a sampled token is drawn from: adjusted [N, V] / temperature [N] (> 0),
+    then min_p, top-k and top-p filtering (each [N])."""
+    scaled = adjusted / temperature[:, None]
+    if min_p is not None and bool((min_p > 0).any()):
+        scaled = apply_min_p(scaled, min_p)
+    return apply_top_k_top_p(scaled, top_k, top_p)
 
 
 def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
@@ -118,17 +208,18 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
     num_total = sample_row.numel()
     first = torch.cumsum(inputs.num_samples, 0) - inputs.num_samples  # [R]
     sample_index = torch.arange(num_total, device=device) - first[sample_row]  # [N]
+    adjusted = adjust(logits, inputs)  # [R, V]
 
     token_ids = torch.empty(num_total, dtype=torch.int64, device=device)
     temperature = inputs.temperature[sample_row]
     greedy = temperature <= 0
     if bool(greedy.any()):
-        token_ids[greedy] = logits[sample_row[greedy]].argmax(dim=-1)
+        token_ids[greedy] = adjusted[sample_row[greedy]].argmax(dim=-1)
     rand = ~greedy
     if bool(rand.any()):
         r = sample_row[rand]
-        scaled = logits[r] / temperature[rand][:, None]  # [Nr, V]
-        scaled = apply_top_k_top_p(scaled, inputs.top_k[r], inputs.top_p[r])
+        scaled = warp(adjusted[r], temperature[rand], inputs.min_p[r] if inputs.min_p is not None else None,
+                      inputs.top_k[r], inputs.top_p[r])  # [Nr, V]
         log_p = scaled.log_softmax(dim=-1)
         # keyed by (seed, position) only: completion i of n equals seed + i alone
         u = hash_uniform(inputs.seeds[rand], inputs.positions[r], torch.zeros_like(sample_index[rand]), vocab)

@@ -98,6 +98,16 @@ def step_from_proto(req: executor_pb2.ExecuteRequest) -> StepInput:
             seeds=_opt(s.seeds, _i64, "sampling.seeds"),
             num_top_logprobs=_opt(s.num_top_logprobs, _i32, "sampling.num_top_logprobs"),
             return_logprobs=s.return_logprobs,
+            presence_penalty=_opt(s.presence_penalty, _f32, "sampling.presence_penalty"),
+            frequency_penalty=_opt(s.frequency_penalty, _f32, "sampling.frequency_penalty"),
+            repetition_penalty=_opt(s.repetition_penalty, _f32, "sampling.repetition_penalty"),
+            min_p=_opt(s.min_p, _f32, "sampling.min_p"),
+            bias_offsets=_opt(s.logit_bias_offsets, _i32, "sampling.logit_bias_offsets"),
+            bias_token_ids=_opt(s.logit_bias_token_ids, _i32, "sampling.logit_bias_token_ids"),
+            bias_values=_opt(s.logit_bias_values, _f32, "sampling.logit_bias_values"),
+            prompt_lens=_opt(s.prompt_lens, _i32, "sampling.prompt_lens"),
+            history_offsets=_opt(s.history_offsets, _i32, "sampling.history_offsets"),
+            history_token_ids=_opt(s.history_token_ids, _i32, "sampling.history_token_ids"),
         ),
     )
 

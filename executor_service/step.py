@@ -52,7 +52,8 @@ class CacheOps:
 class Sampling:
     """Per-sequence sampling, columnar. ``None`` = the field was not sent:
     num_samples 1, temperature 0 (greedy), top_p 1, top_k off, seeds 0,
-    no top logprobs."""
+    no top logprobs; and (left None after checking) no penalty, min_p, logit
+    bias or token history."""
 
     num_samples: np.ndarray | None = None       # int32 [n]
     temperature: np.ndarray | None = None       # float32 [n]
@@ -61,6 +62,35 @@ class Sampling:
     seeds: np.ndarray | None = None             # int64 [sum(num_samples)]
     num_top_logprobs: np.ndarray | None = None  # int32 [n]
     return_logprobs: bool = False
+    presence_penalty: np.ndarray | None = None    # float32 [n]; absent 0
+    frequency_penalty: np.ndarray | None = None   # float32 [n]; absent 0
+    repetition_penalty: np.ndarray | None = None  # float32 [n] > 0; absent 1
+    min_p: np.ndarray | None = None               # float32 [n] in [0, 1]
+    bias_offsets: np.ndarray | None = None        # int32 [n + 1] over bias_token_ids / bias_values
+    bias_token_ids: np.ndarray | None = None      # int32
+    bias_values: np.ndarray | None = None         # float32: finite or -inf
+    prompt_lens: np.ndarray | None = None         # int32 [n]: prompt tokens of each row's sequence
+    history_offsets: np.ndarray | None = None     # int32 [n + 1]: tokens in cache sent for a row (its start)
+    history_token_ids: np.ndarray | None = None   # int32
+
+    def penalized(self, n: int) -> np.ndarray | None:
+        """bool [n]: the rows with a penalty (they keep a token history); None: no row has one."""
+        if self.presence_penalty is None and self.frequency_penalty is None and self.repetition_penalty is None:
+            return None
+        mask = np.zeros(n, bool)
+        if self.presence_penalty is not None:
+            mask |= self.presence_penalty != 0
+        if self.frequency_penalty is not None:
+            mask |= self.frequency_penalty != 0
+        if self.repetition_penalty is not None:
+            mask |= self.repetition_penalty != 1
+        return mask
+
+    def history(self, i: int) -> np.ndarray | None:
+        """The tokens in cache the request sent for row i (None: none sent)."""
+        if self.history_offsets is None or self.history_offsets[i + 1] == self.history_offsets[i]:
+            return None
+        return self.history_token_ids[self.history_offsets[i]:self.history_offsets[i + 1]]
 
 
 @dataclass(slots=True)
@@ -166,7 +196,62 @@ def _normalized_sampling(s: Sampling, n: int, vocab_size: int) -> Sampling:
     if n and (int(num_top.min()) < 0 or int(num_top.max()) > vocab_size):
         _fail(f"sampling.num_top_logprobs must be in [0, {vocab_size}]")
     top_p = np.where(top_p == 0, np.float32(1), top_p).astype(np.float32)
-    return Sampling(num_samples, temperature, top_p, top_k, seeds, num_top, s.return_logprobs)
+    out = Sampling(num_samples, temperature, top_p, top_k, seeds, num_top, s.return_logprobs)
+    _check_processing(s, n, vocab_size)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "bias_offsets",
+                 "bias_token_ids", "bias_values", "prompt_lens", "history_offsets", "history_token_ids"):
+        setattr(out, name, getattr(s, name))
+    return out
+
+
+def _check_csr(offsets: np.ndarray | None, values: list[tuple[np.ndarray | None, str]], n: int, name: str) -> None:
+    if offsets is None:
+        for arr, field_name in values:
+            if arr is not None and len(arr):
+                _fail(f"sampling.{field_name} needs sampling.{name}_offsets")
+        return
+    total = len(values[0][0]) if values[0][0] is not None else 0
+    if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
+        _fail(f"sampling.{name}_offsets must rise from 0 to {total} over {n} rows")
+    for arr, field_name in values:
+        if (len(arr) if arr is not None else 0) != total:
+            _fail(f"sampling.{field_name}: expected {total} values")
+
+
+def _check_processing(s: Sampling, n: int, vocab_size: int) -> None:
+    """The optional columns: penalties, min_p, logit bias, token histories."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "prompt_lens"):
+        arr = getattr(s, name)
+        if arr is not None:
+            _check_len(arr, n, f"sampling.{name}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        arr = getattr(s, name)
+        if arr is not None and not np.all(np.isfinite(arr)):
+            _fail(f"sampling.{name} must be finite")
+    if s.repetition_penalty is not None and not (np.all(np.isfinite(s.repetition_penalty))
+                                                 and np.all(s.repetition_penalty > 0)):
+        _fail("sampling.repetition_penalty must be finite and > 0")
+    if s.min_p is not None and not (np.all(np.isfinite(s.min_p)) and np.all((s.min_p >= 0) & (s.min_p <= 1))):
+        _fail("sampling.min_p must be in [0, 1]")
+    if s.prompt_lens is not None and n and int(s.prompt_lens.min()) < 0:
+        _fail("sampling.prompt_lens must be >= 0")
+    _check_csr(s.bias_offsets, [(s.bias_token_ids, "logit_bias_token_ids"), (s.bias_values, "logit_bias_values")],
+               n, "logit_bias")
+    if s.bias_offsets is not None:
+        _check_ids(s.bias_token_ids, vocab_size, "sampling.logit_bias_token_ids", "token")
+        v = s.bias_values
+        if np.any(np.isnan(v) | (v == np.inf)):
+            _fail("sampling.logit_bias_values must be finite or -inf")
+        rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(s.bias_offsets))
+        if len(np.unique(rows * vocab_size + s.bias_token_ids)) != len(rows):
+            _fail("sampling.logit_bias_token_ids must be distinct within a row")
+    _check_csr(s.history_offsets, [(s.history_token_ids, "history_token_ids")], n, "history")
+    if s.history_offsets is not None:
+        _check_ids(s.history_token_ids, vocab_size, "sampling.history_token_ids", "token")
+        sent = np.diff(s.history_offsets) > 0
+        penalized = s.penalized(n)
+        if np.any(sent & ~(penalized if penalized is not None else np.zeros(n, bool))):
+            _fail("sampling.history: tokens sent for a row without a penalty (only penalised rows keep one)")
 
 
 def check_step(step: StepInput, limits: PoolLimits) -> StepInput:
@@ -229,8 +314,13 @@ def build_forward_batch(step: StepInput, resolved: Resolved, device: torch.devic
     )
 
 
-def build_sampling_inputs(step: StepInput, resolved: Resolved, device: torch.device) -> SamplingInputs:
-    """Sampling tensors for the rows ``sampled_rows(step)`` (same order as the logits)."""
+def build_sampling_inputs(step: StepInput, resolved: Resolved, device: torch.device,
+                          histories: dict[int, np.ndarray] | None = None) -> SamplingInputs:
+    """Sampling tensors for the rows ``sampled_rows(step)`` (same order as the logits).
+
+    histories: row index -> that penalised row's tokens through this step
+    (``history.TokenHistories.resolve``); needed when a sampled row has a penalty.
+    """
     s = step.sampling
     rows = sampled_rows(step)
 
@@ -238,7 +328,7 @@ def build_sampling_inputs(step: StepInput, resolved: Resolved, device: torch.dev
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
     positions = resolved.context_lens + step.query_lens.astype(np.int64)
-    return SamplingInputs(
+    inputs = SamplingInputs(
         num_samples=dev(s.num_samples[rows], torch.int64),
         temperature=dev(s.temperature[rows], torch.float32),
         top_p=dev(s.top_p[rows], torch.float32),
@@ -248,3 +338,35 @@ def build_sampling_inputs(step: StepInput, resolved: Resolved, device: torch.dev
         num_top_logprobs=dev(s.num_top_logprobs[rows], torch.int64),
         return_logprobs=s.return_logprobs,
     )
+    if s.min_p is not None and np.any(s.min_p[rows] > 0):
+        inputs.min_p = dev(s.min_p[rows], torch.float32)
+    n = len(step.seq_ids)
+    if s.bias_offsets is not None and len(s.bias_token_ids):
+        place = np.full(n, -1, np.int64)  # a sequence's row among the logits rows
+        place[rows] = np.arange(len(rows))
+        entry_rows = place[np.repeat(np.arange(n), np.diff(s.bias_offsets))]
+        keep = entry_rows >= 0
+        inputs.bias_rows = dev(entry_rows[keep], torch.int64)
+        inputs.bias_token_ids = dev(s.bias_token_ids[keep], torch.int64)
+        inputs.bias_values = dev(s.bias_values[keep], torch.float32)
+    penalized = s.penalized(n)
+    if penalized is not None and np.any(penalized[rows]):
+        at = np.nonzero(penalized[rows])[0]  # among the logits rows
+        tokens = [histories[int(rows[j])] for j in at]
+        lens = np.array([len(t) for t in tokens], np.int64)
+        prompt = (s.prompt_lens[rows[at]].astype(np.int64) if s.prompt_lens is not None
+                  else np.zeros(len(at), np.int64))
+        index = np.repeat(np.arange(len(at)), lens)
+        offset = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        inputs.penalty_rows = dev(at, torch.int64)
+
+        def col(arr: np.ndarray | None, default: float) -> torch.Tensor:
+            return dev(arr[rows[at]] if arr is not None else np.full(len(at), default, np.float32), torch.float32)
+
+        inputs.presence_penalty = col(s.presence_penalty, 0.0)
+        inputs.frequency_penalty = col(s.frequency_penalty, 0.0)
+        inputs.repetition_penalty = col(s.repetition_penalty, 1.0)
+        inputs.history_index = dev(index, torch.int64)
+        inputs.history_token_ids = dev(np.concatenate(tokens) if tokens else np.zeros(0, np.int32), torch.int64)
+        inputs.history_is_output = dev(offset >= prompt[index], torch.bool)
+    return inputs

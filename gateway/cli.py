@@ -8,6 +8,7 @@ import sys
 
 
 HELP = "run the gateway (client API + continuous batching)"
+API_KEY_ENV = "KVPAGER_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,6 +17,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50050)
     p.add_argument("--metrics-port", type=int, default=None)
+    http = p.add_argument_group("OpenAI-compatible HTTP API (docs/api.md)")
+    http.add_argument("--http-port", type=int, default=8000, help="its port (0: any free one)")
+    http.add_argument("--http-host", default=None, help="its host (default: --host)")
+    http.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    http.add_argument("--served-model-name", default=None,
+                      help="the model's name in the API (default: the checkpoint directory's name)")
+    http.add_argument("--chat-template", default=None, metavar="FILE",
+                      help="a Jinja chat template overriding the tokenizer's")
+    http.add_argument("--api-key", default=None,
+                      help=f"require this bearer token on /v1 (default: ${API_KEY_ENV}; the --auth-token is "
+                           "accepted too)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens each executor computes per step")
     p.add_argument("--max-running", type=int, default=64, help="sequences each executor runs per step")
     p.add_argument("--max-waiting", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
@@ -41,12 +53,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    import os
+    from pathlib import Path
+
     from gateway.engine import EngineConfig
+    from gateway.http.server import HttpConfig
     from gateway.service import GatewayConfig
 
     from kvpager.security import security_from_args
 
     security = security_from_args(args)
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise ValueError(f"--chat-template {args.chat_template}: no such file")
+    http = None if args.no_http else HttpConfig(
+        host=args.http_host or args.host, port=args.http_port, served_model_name=args.served_model_name or "",
+        chat_template=args.chat_template, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     return GatewayConfig(model=args.model, memory_address=args.memory_address, host=args.host, port=args.port,
                          metrics_port=args.metrics_port, grace_s=args.grace_s, redis_url=args.redis_url,
                          routing=args.routing,
@@ -57,7 +78,8 @@ def config_from_args(args: argparse.Namespace):
                                              max_waiting=args.max_waiting, max_n=args.max_n, policy=args.policy,
                                              load_weight_tokens=args.load_weight_tokens,
                                              max_prompt_tokens=args.max_prompt_tokens,
-                                             step_timeout_s=args.step_timeout_s))
+                                             step_timeout_s=args.step_timeout_s),
+                         http=http)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         server = GatewayServer(config)
         await server.start()
-        print(f"gateway listening on {server.address}", flush=True)
+        http = f"; OpenAI-compatible API at {server.http_url}/v1" if server.http_url else ""
+        print(f"gateway listening on {server.address}{http}", flush=True)
         await server.serve_until_signal()
 
     asyncio.run(main())

@@ -37,10 +37,11 @@ class Completions:
 
     # ---- tokens ---------------------------------------------------------------------
 
-    def accept(self, seq: Seq, comp: Completion, token: int, logprob: float | None) -> None:
+    def accept(self, seq: Seq, comp: Completion, token: int, logprob: float | None,
+               top: list[tuple[int, float]] | None = None) -> None:
         req = seq.request
         finish = accept_token(req, comp, token, logprob, self.eos_ids, len(seq.tokens) + 1,
-                              self.executors.limits.max_model_len)
+                              self.executors.limits.max_model_len, top)
         out = take_output(req, comp)
         if out is not None:
             self.outbox.emit(req, out)
@@ -51,15 +52,17 @@ class Completions:
         if all(c.finish is not Finish.NONE for c in req.completions):
             self.requests.end(req)
 
-    def fan_out(self, parent: Seq, tokens: list[int], logprobs: list) -> None:
+    def fan_out(self, parent: Seq, tokens: list[int], logprobs: list,
+                top: list[tuple[int, float]] | None = None) -> None:
         """n > 1: the prompt was computed once; each completion gets its own
-        first token, children share the parent's blocks (copy-on-write)."""
+        first token (the same alternatives: one position), children share the
+        parent's blocks (copy-on-write)."""
         parent.sampled_first = True
         req = parent.request
         children = self.sequences.fork(parent, req.completions[1:len(tokens)], sampled_first=True)
-        self.accept(parent, parent.completion, tokens[0], logprobs[0])
+        self.accept(parent, parent.completion, tokens[0], logprobs[0], top)
         for child, tok, lp in zip(children, tokens[1:], logprobs[1:]):
-            self.accept(child, child.completion, tok, lp)
+            self.accept(child, child.completion, tok, lp, top)
 
     def fail_on_bug(self, req: Request, doing: str) -> None:
         """End one request with INTERNAL (its blocks freed next step) after an

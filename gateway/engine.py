@@ -29,6 +29,7 @@ from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
 from gateway.membership import Executors
 from gateway.outputs import Outbox
+from gateway.params import logit_bias_for
 from gateway.requests import RequestBook
 from gateway.scheduling import Scheduler, make_policy
 from gateway.sequences import SequenceTable
@@ -307,16 +308,24 @@ class Engine:
             seq.status = SeqStatus.RUNNING
             seq.num_computed = p.start + p.num_tokens
             row = wire.Row(seq, p.start, seq.tokens[p.start:seq.num_computed])
+            spec = req.spec
+            if spec.penalized and p.started and p.start:
+                row.history = seq.tokens[:p.start]  # the executor keeps the rest (executor_service/history.py)
             if seq.num_computed == len(seq.tokens):  # the last known token: its logits are wanted
-                spec = req.spec
                 if spec.beam_width > 1:
                     row.num_top = self.beams.top_k(req)
-                elif spec.n > 1 and not seq.sampled_first:
-                    row.num_samples = spec.n                      # the prompt once, n first tokens
-                    row.seeds = [req.seed + j for j in range(spec.n)]
                 else:
-                    row.num_samples = 1
-                    row.seeds = [req.seed + seq.completion.index]
+                    if spec.n > 1 and not seq.sampled_first:
+                        row.num_samples = spec.n                      # the prompt once, n first tokens
+                        row.seeds = [req.seed + j for j in range(spec.n)]
+                        num_output = 0
+                    else:
+                        row.num_samples = 1
+                        row.seeds = [req.seed + seq.completion.index]
+                        num_output = len(seq.completion.output_ids)
+                    row.num_top = spec.top_logprobs
+                    if spec.processed:
+                        row.bias = logit_bias_for(spec, num_output, self.eos_ids)
             rows.append(row)
         return rows
 
@@ -361,7 +370,7 @@ class Engine:
         num_sampled = 0
         for result in wire.row_results(rows, resp):
             seq = result.row.seq
-            if result.top_ids or result.row.num_top:
+            if result.row.num_top and not result.row.num_samples:
                 self.beams.candidates(seq, result.top_ids, result.top_logprobs)
                 continue
             num_sampled += len(result.tokens)
@@ -369,9 +378,9 @@ class Engine:
                 continue  # aborted while the step ran
             try:
                 if len(result.tokens) > 1:
-                    self.completions.fan_out(seq, result.tokens, result.logprobs)
+                    self.completions.fan_out(seq, result.tokens, result.logprobs, result.top)
                 else:
-                    self.completions.accept(seq, seq.completion, result.tokens[0], result.logprobs[0])
+                    self.completions.accept(seq, seq.completion, result.tokens[0], result.logprobs[0], result.top)
             except Exception:  # one request's bug must not end the others' streams
                 self.fail_on_bug(seq.request, "taking its sampled tokens")
         self.beams.finish_step()

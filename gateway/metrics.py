@@ -13,3 +13,5 @@ SCHEDULED_SEQS = Histogram("kvpager_gateway_scheduled_sequences", "Sequences per
                            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 TTFT_SECONDS = Histogram("kvpager_gateway_ttft_seconds", "Time to first token.",
                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+HTTP_REQUESTS = Counter("kvpager_gateway_http_requests_total", "HTTP API requests by route and status.",
+                        ["route", "status"])

@@ -10,13 +10,16 @@ from gateway.state import Completion, Finish, Output, Request
 
 
 def accept_token(req: Request, comp: Completion, token: int, logprob: float | None, eos_ids: frozenset[int],
-                 total_len: int, max_model_len: int) -> Finish:
-    """Record one sampled token of a completion; returns why it finished (or NONE)."""
+                 total_len: int, max_model_len: int, top: list[tuple[int, float]] | None = None) -> Finish:
+    """Record one sampled token of a completion (``top``: the most likely
+    alternatives at its position); returns why it finished (or NONE)."""
     spec = req.spec
     comp.output_ids.append(token)
     if logprob is not None:
         comp.logprobs.append(logprob)
         comp.cumulative_logprob += logprob
+    if top is not None:
+        comp.top_logprobs.append(top)
     n_out = len(comp.output_ids)
     finish = Finish.NONE
     is_stop_token = (token in eos_ids and not spec.ignore_eos) or token in spec.stop_token_ids
@@ -52,6 +55,7 @@ def take_output(req: Request, comp: Completion) -> Output | None:
         return None
     out = Output(comp.index, new_tokens, delta, comp.finish,
                  logprobs=comp.logprobs[comp.sent_tokens:] if req.spec.logprobs else [],
+                 top_logprobs=comp.top_logprobs[comp.sent_tokens:] if req.spec.top_logprobs else [],
                  cumulative_logprob=comp.cumulative_logprob)
     comp.sent_tokens = len(comp.output_ids)
     comp.sent_text = max(comp.sent_text, end)

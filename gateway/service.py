@@ -1,10 +1,14 @@
-"""Start and stop the gateway in-process (the CLI, `kvpager up` and tests)."""
+"""Start and stop the gateway in-process (the CLI, `kvpager up` and tests):
+the engine, the gRPC server and, unless turned off, the OpenAI-compatible
+HTTP server (gateway/http), all on one event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvpager.channel import ClientTls
 from kvpager.security import token_auth
@@ -13,6 +17,7 @@ from kvpager.telemetry import get_logger
 from kvpager.v1 import gateway_pb2_grpc
 from gateway.clients import MemoryClient
 from gateway.engine import Engine, EngineConfig
+from gateway.http.server import HttpConfig
 from gateway.router import make_router
 from gateway.servicer import GatewayServicer
 
@@ -37,6 +42,7 @@ class GatewayConfig:
     auth_token: str | None = field(default=None, repr=False)   # required from clients (bearer)
     admin_token: str | None = field(default=None, repr=False)  # sent to the memory service and executors
     engine: EngineConfig = field(default_factory=EngineConfig)
+    http: HttpConfig | None = field(default_factory=HttpConfig)  # None: no HTTP API
 
 
 def load_tokenizer(model_dir: str):
@@ -57,16 +63,46 @@ class GatewayServer:
                                       metrics_port=config.metrics_port, grace_s=config.grace_s,
                                       max_message_bytes=config.max_message_bytes, tls=config.tls,
                                       auth=token_auth(config.auth_token))
-        self.runtime.add(gateway_pb2_grpc.add_GatewayServicer_to_server,
-                         GatewayServicer(self.engine, self.router, self.tokenizer), SERVICE_NAME)
+        servicer = GatewayServicer(self.engine, self.router, self.tokenizer)
+        self.runtime.add(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)
+        self.http_context = None  # the HTTP routes' view of the gateway (gateway.http.app.HttpContext)
+        self.http = self._http_server(servicer.frontend) if config.http is not None else None
         self._watch: asyncio.Task | None = None
+
+    def _http_server(self, frontend):
+        from gateway.http.app import HttpContext, make_app
+        from gateway.http.chat import ChatTemplate
+        from gateway.http.server import HttpServer
+
+        cfg = self.config
+        http = cfg.http
+        keys = tuple(k for k in (http.api_key, cfg.auth_token) if k)
+        ctx = HttpContext(frontend=frontend, chat=ChatTemplate(self.tokenizer, http.chat_template),
+                          served_model_name=http.served_model_name or Path(cfg.model).resolve().name,
+                          model_dir=str(cfg.model), version=_version(), api_keys=keys,
+                          max_body_bytes=cfg.max_message_bytes, created=int(time.time()))
+        server = HttpServer(http, make_app(ctx), tls=cfg.tls, grace_s=cfg.grace_s)
+        ctx.serving = lambda: not server.stopping
+        self.http_context = ctx
+        return server
 
     @property
     def address(self) -> str:
         return self.runtime.address
 
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP API's base URL ("http://host:port"; the OpenAI one is it + "/v1"), None without one."""
+        return self.http.url if self.http is not None else None
+
     async def start(self) -> GatewayServer:
         await self.runtime.start()
+        if self.http is not None:
+            try:
+                await self.http.start()
+            except OSError:
+                await self.runtime.stop(0)
+                raise
         await self.engine.start()
         self._watch = asyncio.get_running_loop().create_task(self._track_readiness())
         return self
@@ -94,12 +130,24 @@ class GatewayServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
             self._watch = None
-        await self.runtime.stop(grace_s)
+        stops = [self.runtime.stop(grace_s)]
+        if self.http is not None:  # both let requests in flight finish while the engine still runs
+            stops.append(self.http.stop(grace_s))
+        await asyncio.gather(*stops)
         await self.engine.stop()
         await self.memory.close()
 
     async def serve_until_signal(self) -> None:
         try:
-            await self.runtime.serve_until_signal()
+            await self.runtime.serve_until_signal(also_stop=self.http.stop if self.http is not None else None)
         finally:
             await self.stop()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvpager")
+    except PackageNotFoundError:
+        return "0.1.0"

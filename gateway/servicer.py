@@ -1,29 +1,35 @@
 """Client-facing gRPC: proto -> validated request -> engine -> streamed
-responses. Thin: validation lives in gateway.params, scheduling in the engine."""
+responses. Thin: admission is gateway.frontend's (shared with the HTTP
+API), validation gateway.params', scheduling the engine's."""
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 
-from kvpager.errors import InvalidArgument, Unavailable
-from kvpager.prefix_index.hashing import PromptChain
+from kvpager.errors import Unavailable
 from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from gateway.params import RawParams, validate, validate_token_ids
+from gateway.frontend import Frontend, Submission
+from gateway.params import RawParams
 from gateway.state import Output
 
 
 def raw_params(sp: common_pb2.SamplingParams) -> RawParams:
-    return RawParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+    """proto3 zeros mean unset: max_tokens 0 is the rest of the context, repetition_penalty 0 is off."""
+    return RawParams(max_tokens=sp.max_tokens or None, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                      seed=sp.seed if sp.HasField("seed") else None, n=sp.n, stop=list(sp.stop),
                      stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos, beam_width=sp.beam_width,
-                     length_penalty=sp.length_penalty, min_tokens=sp.min_tokens, logprobs=sp.logprobs)
+                     length_penalty=sp.length_penalty, min_tokens=sp.min_tokens, logprobs=sp.logprobs,
+                     top_logprobs=sp.top_logprobs, presence_penalty=sp.presence_penalty,
+                     frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty or None,
+                     min_p=sp.min_p, logit_bias=dict(sp.logit_bias))
 
 
 def response(request_id: str, out: Output) -> gateway_pb2.GenerateResponse:
     msg = gateway_pb2.GenerateResponse(request_id=request_id, index=out.index, token_ids=out.token_ids,
                                        text=out.text, finish_reason=int(out.finish), logprobs=out.logprobs,
                                        cumulative_logprob=out.cumulative_logprob)
+    for top in out.top_logprobs:
+        msg.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
     if out.finish:
         msg.usage.prompt_tokens = out.prompt_tokens
         msg.usage.completion_tokens = out.completion_tokens
@@ -34,41 +40,23 @@ def response(request_id: str, out: Output) -> gateway_pb2.GenerateResponse:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, engine, router, tokenizer, max_request_tokens: int = 0) -> None:
         self.engine = engine
-        self.router = router
-        self.tokenizer = tokenizer
-
-    def _prompt_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
-        if request.prompt and request.prompt_token_ids:
-            raise InvalidArgument("give either prompt or prompt_token_ids, not both")
-        if request.prompt_token_ids:
-            ids = list(request.prompt_token_ids)
-            validate_token_ids(ids, self.engine.limits.vocab_size)
-            return ids
-        if not request.prompt:
-            raise InvalidArgument("prompt is empty")
-        return list(self.tokenizer.encode(request.prompt))
+        self.frontend = Frontend(engine, router, tokenizer)
 
     async def Generate(self, request, context):
-        engine = self.engine
-        if not engine.ready:
-            raise Unavailable("no executor is serving", retry_after_s=1.0)
-        prompt_ids = self._prompt_ids(request)
-        spec = validate(raw_params(request.sampling_params), len(prompt_ids), engine.limits)
+        frontend = self.frontend
+        frontend.check_ready()
+        prompt_ids = frontend.prompt_ids(request.prompt, list(request.prompt_token_ids))
         remaining = context.time_remaining()
         deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
-        request_id = request.request_id or uuid.uuid4().hex
-        chain = PromptChain(prompt_ids, request.cache_salt)  # block hashes: once, for routing and admission
-        executor_id = await self.router.choose(prompt_ids, request.cache_salt, deadline, chain)
-        req = engine.new_request(request_id, prompt_ids, spec, seed=spec.seed, priority=request.priority,
-                                 cache_salt=request.cache_salt, deadline=deadline,
-                                 skip_special_tokens=request.skip_special_tokens, chain=chain)
-        await engine.submit(req, executor_id)
+        req = await frontend.submit(Submission(prompt_ids, raw_params(request.sampling_params),
+                                               request_id=request.request_id, priority=request.priority,
+                                               cache_salt=request.cache_salt, deadline=deadline,
+                                               skip_special_tokens=request.skip_special_tokens))
         try:
-            async for out in engine.stream(req):
-                yield response(request_id, out)
-        finally:
-            if not req.done:  # client went away, or its deadline passed: free its blocks next step
-                engine.abort(request_id)
+            async for out in frontend.stream(req):
+                yield response(req.request_id, out)
+        finally:  # client went away, or its deadline passed: free its blocks next step
+            frontend.release(req)
 
     async def Abort(self, request, context):
         return gateway_pb2.AbortResponse(found=self.engine.abort(request.request_id))

@@ -36,6 +36,7 @@ class Output:
     text: str
     finish: Finish = Finish.NONE
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with top_logprobs
     cumulative_logprob: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -53,6 +54,7 @@ class Completion:
     sent_tokens: int = 0        # tokens already streamed
     stop_text_end: int | None = None  # text is cut here when a stop string matched
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, most likely first
 
 
 @dataclass(slots=True, eq=False)

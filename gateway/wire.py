@@ -87,6 +87,7 @@ class PlanRow:
     start: int          # tokens already in cache
     num_tokens: int     # computed now
     cached: int         # prefix-cache hit of its first admission (0 otherwise)
+    started: bool = False  # admitted or swapped in by this plan (the executor has no state of it before)
 
 
 def plan_rows(plan: common_pb2.ExecutorPlan, computed: Callable[[int], int]) -> list[PlanRow]:
@@ -101,8 +102,11 @@ def plan_rows(plan: common_pb2.ExecutorPlan, computed: Callable[[int], int]) -> 
             starts[seq_id] = (ctx[i], cached[i] if i < len(cached) else 0)
     rows = []
     for seq_id, q in zip(unpack_i64(plan.seq_ids), unpack_i32(plan.query_lens)):
-        start, cached = starts.get(seq_id) or (computed(seq_id), 0)
-        rows.append(PlanRow(seq_id, start, q, cached))
+        started = starts.get(seq_id)
+        if started is not None:
+            rows.append(PlanRow(seq_id, started[0], q, started[1], True))
+        else:
+            rows.append(PlanRow(seq_id, computed(seq_id), q, 0))
     return rows
 
 
@@ -123,8 +127,10 @@ class Row:
     start: int                                        # tokens in cache before this step
     token_ids: list[int]
     num_samples: int = 0                              # tokens to sample (0: mid-prefill, or top-k only)
-    num_top: int = 0                                  # top logprobs to return (beam search)
+    num_top: int = 0                                  # top logprobs to return (beam search, top_logprobs)
     seeds: list[int] = field(default_factory=list)    # one per sampled token
+    bias: tuple[tuple[int, float], ...] = ()          # logit bias of this row's draw
+    history: list[int] | None = None                  # penalised start: its tokens in cache, sent once
 
 
 def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPlan,
@@ -134,7 +140,7 @@ def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPla
     tokens, starts = array("i"), array("i")
     num_samples, temps, top_ps, top_ks, seeds, tops = (array("i"), array("f"), array("f"), array("i"),
                                                         array("q"), array("i"))
-    want_logprobs = False
+    want_logprobs = processed = False
     for row in rows:
         spec = row.seq.request.spec
         tokens.extend(row.token_ids)
@@ -146,13 +152,44 @@ def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPla
         tops.append(row.num_top)
         seeds.extend(s & SEED_MASK for s in row.seeds)
         want_logprobs = want_logprobs or spec.logprobs
+        processed = processed or spec.processed
+    sampling = executor_pb2.SamplingBatch(
+        num_samples=array_bytes(num_samples), temperature=array_bytes(temps), top_p=array_bytes(top_ps),
+        top_k=array_bytes(top_ks), seeds=array_bytes(seeds), num_top_logprobs=array_bytes(tops),
+        return_logprobs=want_logprobs)
+    if processed:  # only batches with penalties, min_p, a logit bias or min_tokens pay for these columns
+        _add_processing(sampling, rows)
     return executor_pb2.ExecuteRequest(
         step_id=step_id, incarnation=incarnation, plan=plan, context_lens=array_bytes(starts),
-        token_ids=array_bytes(tokens),
-        sampling=executor_pb2.SamplingBatch(
-            num_samples=array_bytes(num_samples), temperature=array_bytes(temps), top_p=array_bytes(top_ps),
-            top_k=array_bytes(top_ks), seeds=array_bytes(seeds), num_top_logprobs=array_bytes(tops),
-            return_logprobs=want_logprobs))
+        token_ids=array_bytes(tokens), sampling=sampling)
+
+
+def _add_processing(sampling: executor_pb2.SamplingBatch, rows: list[Row]) -> None:
+    """The optional SamplingBatch columns, each only when some row needs it."""
+    specs = [row.seq.request.spec for row in rows]
+    if any(s.penalized for s in specs):
+        sampling.presence_penalty = array_bytes(array("f", (s.presence_penalty for s in specs)))
+        sampling.frequency_penalty = array_bytes(array("f", (s.frequency_penalty for s in specs)))
+        sampling.repetition_penalty = array_bytes(array("f", (s.repetition_penalty for s in specs)))
+        sampling.prompt_lens = array_bytes(array("i", (len(row.seq.request.prompt_ids) for row in rows)))
+    if any(s.min_p for s in specs):
+        sampling.min_p = array_bytes(array("f", (s.min_p for s in specs)))
+    if any(row.bias for row in rows):
+        offsets, ids, values = array("i", [0]), array("i"), array("f")
+        for row in rows:
+            ids.extend(t for t, _ in row.bias)
+            values.extend(b for _, b in row.bias)
+            offsets.append(len(ids))
+        sampling.logit_bias_offsets = array_bytes(offsets)
+        sampling.logit_bias_token_ids = array_bytes(ids)
+        sampling.logit_bias_values = array_bytes(values)
+    if any(row.history for row in rows):
+        offsets, ids = array("i", [0]), array("i")
+        for row in rows:
+            ids.extend(row.history or ())
+            offsets.append(len(ids))
+        sampling.history_offsets = array_bytes(offsets)
+        sampling.history_token_ids = array_bytes(ids)
 
 
 @dataclass(slots=True)
@@ -164,6 +201,7 @@ class RowResult:
     logprobs: list[float | None] = field(default_factory=list)
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[int, float]] | None = None  # a sampling row's alternatives (top_logprobs)
 
 
 def row_results(rows: Iterable[Row], resp: executor_pb2.ExecuteResponse) -> list[RowResult]:
@@ -176,15 +214,19 @@ def row_results(rows: Iterable[Row], resp: executor_pb2.ExecuteResponse) -> list
     out = []
     pos = 0
     for i, row in enumerate(rows):
-        if row.num_top:
+        n = row.num_samples
+        if row.num_top and not n:  # beam search: candidates only
             a, b = top_offsets[i], top_offsets[i + 1]
             out.append(RowResult(row, top_ids=list(top_ids[a:b]), top_logprobs=list(top_lps[a:b])))
             continue
-        n = row.num_samples
         if not n:
             continue
         toks = list(sampled[pos:pos + n])
         lps = list(logprobs[pos:pos + n]) if logprobs is not None else [None] * n
         pos += n
-        out.append(RowResult(row, toks, lps))
+        top = None
+        if row.num_top:
+            a, b = top_offsets[i], top_offsets[i + 1]
+            top = list(zip(top_ids[a:b], top_lps[a:b]))
+        out.append(RowResult(row, toks, lps, top=top))
     return out

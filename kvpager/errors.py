@@ -13,11 +13,13 @@ class KvpagerError(Exception):
 
     status = "INTERNAL"
 
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(self, message: str, *, retry_after_s: float | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         # A hint for RESOURCE_EXHAUSTED / UNAVAILABLE, sent as trailing metadata.
         self.retry_after_s = retry_after_s
+        # The request field at fault (INVALID_ARGUMENT), for APIs that report it (OpenAI's "param").
+        self.param = param
 
 
 class InvalidArgument(KvpagerError):

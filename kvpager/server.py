@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import pathlib
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import grpc.aio
@@ -214,10 +214,11 @@ class ServiceRuntime:
         """Returns once a stop has finished (whoever started it)."""
         await self._stopped.wait()
 
-    async def serve_until_signal(self) -> None:
+    async def serve_until_signal(self, also_stop: Callable[[], Awaitable] | None = None) -> None:
         """Starts if needed and serves until SIGTERM or SIGINT (or until someone
-        else calls ``stop``), then stops gracefully, NOT_SERVING first.
-        Returns once stopped."""
+        else calls ``stop``), then stops gracefully, NOT_SERVING first
+        (``also_stop()``, e.g. another server of the process, stops at the
+        same time, within the same grace period). Returns once stopped."""
         if self._server is None:
             await self.start()
         loop = asyncio.get_running_loop()
@@ -234,7 +235,7 @@ class ServiceRuntime:
             # cancels the server's own shutdown future, and a later stop()
             # then raises CancelledError.
             await self._stop_requested.wait()
-            await self.stop()
+            await asyncio.gather(self.stop(), *([also_stop()] if also_stop is not None else []))
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)

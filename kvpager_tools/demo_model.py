@@ -18,6 +18,11 @@ from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "mistral")
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|bos|>", "<|eos|>", "<|pad|>"
+# A plain chat template, so chat clients work against the demo model (/v1/chat/completions):
+#   <|bos|>system: ...\nuser: ...\nassistant:
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers saves and finds it
 DEFAULT_VOCAB_SIZE = 512
 DEFAULT_MAX_POSITIONS = 2048
 
@@ -69,13 +74,15 @@ def _tokenizer(vocab_size: int, max_len: int):
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         model_max_length=max_len,
     )
+    out.chat_template = CHAT_TEMPLATE
+    return out
 
 
 def _config(arch: str, **kw):
@@ -166,6 +173,10 @@ def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
     """Build the default demo model once; later calls return the same directory."""
     out = Path(cache_dir) if cache_dir is not None else default_demo_dir()
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        if not (out / CHAT_TEMPLATE_FILE).exists():  # built before the demo had a chat template
+            tmp = out / f"{CHAT_TEMPLATE_FILE}.tmp-{os.getpid()}"
+            tmp.write_text(CHAT_TEMPLATE)
+            tmp.rename(out / CHAT_TEMPLATE_FILE)
         return out
     # Build beside the target and rename, so a crash never leaves half a model.
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")

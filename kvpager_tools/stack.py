@@ -50,6 +50,7 @@ class StackConfig:
     host: str = "127.0.0.1"
     memory_port: int = 50051
     gateway_port: int = 50050
+    http_port: int | None = 8000          # the gateway's OpenAI-compatible HTTP API; None = off
     executor_base_port: int = 50060       # executor i listens on base + i
     metrics_base_port: int | None = None  # None = no Prometheus endpoints
     block_size: int = 16                  # tokens per block
@@ -93,6 +94,8 @@ class StackConfig:
             self,
             memory_port=free_port(self.host) if replace(self.memory_port) else self.memory_port,
             gateway_port=free_port(self.host) if replace(self.gateway_port) else self.gateway_port,
+            http_port=(free_port(self.host) if self.http_port is not None and replace(self.http_port)
+                       else self.http_port),
             executor_base_port=(free_port_range(self.num_executors, self.host)
                                 if replace(self.executor_base_port) else self.executor_base_port),
             metrics_base_port=(free_port_range(num_metrics, self.host)
@@ -118,6 +121,7 @@ class StackAddresses:
     gateway: str
     executors: tuple[str, ...]
     metrics: dict[str, int]        # child name -> Prometheus port (only those with one)
+    http: str | None = None        # the gateway's HTTP API base URL ("http://host:port"; OpenAI's is + "/v1")
 
 
 class StackError(RuntimeError):
@@ -249,9 +253,10 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
             "--model-impl", config.model_impl,
         ), _join(near, exec_port), port, dict(executor_env)))
     flags, port = metrics(1)
+    http = ["--http-port", str(config.http_port)] if config.http_port is not None else ["--no-http"]
     children.append(ChildSpec("gateway", "gateway", kvpager(
         "gateway", "--host", host, "--port", str(config.gateway_port), *flags,
-        "--memory-address", memory_address, "--model", config.model, *redis,
+        "--memory-address", memory_address, "--model", config.model, *http, *redis,
     ), _join(near, config.gateway_port), port))
     return children
 
@@ -344,7 +349,18 @@ class Stack:
             gateway=by_role["gateway"][0].address,
             executors=tuple(c.address for c in by_role["executor"]),
             metrics={c.name: c.metrics_port for c in self.children if c.metrics_port is not None},
+            http=self.http_url,
         )
+
+    @property
+    def http_url(self) -> str | None:
+        """The gateway's HTTP API base URL, None when it has none."""
+        config = self.config
+        if config.http_port is None:
+            return None
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(config.host, config.host)
+        scheme = "https" if config.security is not None and config.security.tls_cert else "http"
+        return f"{scheme}://{_join(host, config.http_port)}"
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -454,7 +470,8 @@ class Stack:
     def _check_ports_free(self) -> None:
         # Otherwise the health wait could find another process's server there.
         for child in self.children:
-            for port in (int(child.address.rsplit(":", 1)[1]), child.metrics_port):
+            http = self.config.http_port if child.role == "gateway" else None
+        for port in (int(child.address.rsplit(":", 1)[1]), child.metrics_port, http):
                 if port is not None and _accepts(child.address.rsplit(":", 1)[0], port):
                     raise StackError(child.name, f"port {port} is already in use (0 picks a free one)", None, "")
 
@@ -618,14 +635,18 @@ class InProcessStack:
 
 async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 96, block_size: int = 4,
                            swap_blocks: int = 64, swap_min_tokens: int = 256, redis_url: str | None = None,
+                           http: dict | None = None, gateway_kw: dict | None = None,
                            **engine_kw) -> InProcessStack:
     """Memory service, ``executors`` executors and a gateway (EngineConfig ``engine_kw``) in this
-    process; returns once the gateway routes to every executor."""
+    process; returns once the gateway routes to every executor. ``http``: serve the HTTP API
+    on a free port (HttpConfig fields; ``gateway.http_url``), else none; ``gateway_kw``: more
+    GatewayConfig fields."""
     import asyncio
 
     from executor_service.config import ExecutorConfig
     from executor_service.service import start_executor_server
     from gateway.engine import EngineConfig
+    from gateway.http.server import HttpConfig
     from gateway.service import GatewayConfig, GatewayServer
     from memory_service.service import MemoryConfig, MemoryServer
 
@@ -636,8 +657,10 @@ async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 
             model=model, executor_id=f"executor-{i}", memory_address=memory.address, num_blocks=num_blocks,
             block_size=block_size, swap_blocks=swap_blocks)))
     engine_kw.setdefault("executor_refresh_s", 0.2)
+    http_config = HttpConfig(**{"port": 0, **http}) if http is not None else None
     gateway = await GatewayServer(GatewayConfig(model=model, memory_address=memory.address, port=0,
-                                                redis_url=redis_url, engine=EngineConfig(**engine_kw))).start()
+                                                redis_url=redis_url, engine=EngineConfig(**engine_kw),
+                                                http=http_config, **(gateway_kw or {}))).start()
     await gateway.wait_ready(30)
     while len(gateway.engine.executors) < executors:
         await asyncio.sleep(0.05)
@@ -653,6 +676,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address of every service")
     p.add_argument("--memory-port", type=int, default=50051, help="0 = any free port (as for every port flag)")
     p.add_argument("--gateway-port", type=int, default=50050)
+    p.add_argument("--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible HTTP API")
+    p.add_argument("--no-http", action="store_true", help="the gateway serves gRPC only")
     p.add_argument("--executor-base-port", type=int, default=50060, help="executor i listens on base + i")
     p.add_argument("--metrics-base-port", type=int, default=None,
                    help="Prometheus: memory = base, gateway = base+1, executor i = base+2+i (default: off)")
@@ -690,7 +715,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         num_blocks = DEMO_NUM_BLOCKS  # a small pool keeps the accounting readable
     return StackConfig(
         model=args.model, num_executors=args.executors, host=args.host, memory_port=args.memory_port,
-        gateway_port=args.gateway_port, executor_base_port=args.executor_base_port,
+        gateway_port=args.gateway_port, http_port=None if args.no_http else args.http_port,
+        executor_base_port=args.executor_base_port,
         metrics_base_port=args.metrics_base_port, block_size=args.block_size, num_blocks=num_blocks,
         kv_cache_gib=args.kv_cache_gib, swap_blocks=args.swap_blocks, redis_url=args.redis_url,
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
@@ -716,6 +742,11 @@ def _print_ready(stack: Stack, console) -> None:
     blk_token = " (with $KVPAGER_ADMIN_TOKEN set)" if security is not None and security.admin_token else ""
     console.print(f"  kvpager generate \"Once upon a time\" --address {a.gateway} --max-tokens 32{tls}{gen_token}")
     console.print(f"  kvpager blocks --address {a.memory}{tls}{blk_token}")
+    if a.http is not None:
+        key = " (with the auth token as the API key)" if security is not None and security.auth_token else ""
+        console.print(f"  OpenAI-compatible API: {a.http}/v1{key}")
+        console.print(f"  curl {a.http}/v1/completions -H 'Content-Type: application/json' "
+                      f"-d '{{\"prompt\": \"Once upon a time\", \"max_tokens\": 16}}'")
 
 
 async def _demo(stack: Stack, console) -> None:

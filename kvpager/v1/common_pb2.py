@@ -24,33 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpager/v1/common.proto\x12\nkvpager.v1\"\x8a\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nbeam_width\x18\n \x01(\r\x12\x16\n\x0elength_penalty\x18\x0b \x01(\x02\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x10\n\x08logprobs\x18\r \x01(\rB\x07\n\x05_seed\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x84\x01\n\x08\x43\x61\x63heOps\x12\x10\n\x08\x63opy_src\x18\x01 \x01(\x0c\x12\x10\n\x08\x63opy_dst\x18\x02 \x01(\x0c\x12\x14\n\x0cswap_out_src\x18\x03 \x01(\x0c\x12\x14\n\x0cswap_out_dst\x18\x04 \x01(\x0c\x12\x13\n\x0bswap_in_src\x18\x05 \x01(\x0c\x12\x13\n\x0bswap_in_dst\x18\x06 \x01(\x0c\"A\n\nTokenBatch\x12\x0f\n\x07seq_ids\x18\x01 \x01(\x0c\x12\x0f\n\x07offsets\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\"6\n\x06\x46orkOp\x12\x15\n\rparent_seq_id\x18\x01 \x01(\x03\x12\x15\n\rchild_seq_ids\x18\x02 \x03(\x03\"\xa3\x02\n\x0cTableChanges\x12!\n\x05\x66orks\x18\x01 \x03(\x0b\x32\x12.kvpager.v1.ForkOp\x12\x17\n\x0f\x64ropped_seq_ids\x18\x02 \x01(\x0c\x12\x17\n\x0fstarted_seq_ids\x18\x03 \x01(\x0c\x12\x1c\n\x14started_context_lens\x18\x04 \x01(\x0c\x12\x17\n\x0fstarted_offsets\x18\x05 \x01(\x0c\x12\x19\n\x11started_block_ids\x18\x06 \x01(\x0c\x12\x18\n\x10\x65xtended_seq_ids\x18\x07 \x01(\x0c\x12\x1c\n\x14\x65xtended_first_index\x18\x08 \x01(\x0c\x12\x18\n\x10\x65xtended_offsets\x18\t \x01(\x0c\x12\x1a\n\x12\x65xtended_block_ids\x18\n \x01(\x0c\"\xe4\x01\n\x0c\x45xecutorPlan\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0btable_epoch\x18\x03 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x04 \x01(\x0c\x12\x12\n\nquery_lens\x18\x05 \x01(\x0c\x12(\n\x06tables\x18\x06 \x01(\x0b\x32\x18.kvpager.v1.TableChanges\x12\'\n\tcache_ops\x18\x07 \x01(\x0b\x32\x14.kvpager.v1.CacheOps\x12\x1d\n\x15started_cached_tokens\x18\x08 \x01(\x0c*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*j\n\x0ePreemptionMode\x12\x1f\n\x1bPREEMPTION_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19PREEMPTION_MODE_RECOMPUTE\x10\x01\x12\x18\n\x14PREEMPTION_MODE_SWAP\x10\x02*|\n\x0fRejectionReason\x12 \n\x1cREJECTION_REASON_UNSPECIFIED\x10\x00\x12\'\n#REJECTION_REASON_OVER_CONTEXT_LIMIT\x10\x01\x12\x1e\n\x1aREJECTION_REASON_OVER_POOL\x10\x02*;\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpager/v1/common.proto\x12\nkvpager.v1\"\xf1\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\t\n\x01n\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nbeam_width\x18\n \x01(\r\x12\x16\n\x0elength_penalty\x18\x0b \x01(\x02\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x10\n\x08logprobs\x18\r \x01(\r\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x10 \x01(\x02\x12\r\n\x05min_p\x18\x11 \x01(\x02\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).kvpager.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0ctop_logprobs\x18\x13 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x84\x01\n\x08\x43\x61\x63heOps\x12\x10\n\x08\x63opy_src\x18\x01 \x01(\x0c\x12\x10\n\x08\x63opy_dst\x18\x02 \x01(\x0c\x12\x14\n\x0cswap_out_src\x18\x03 \x01(\x0c\x12\x14\n\x0cswap_out_dst\x18\x04 \x01(\x0c\x12\x13\n\x0bswap_in_src\x18\x05 \x01(\x0c\x12\x13\n\x0bswap_in_dst\x18\x06 \x01(\x0c\"A\n\nTokenBatch\x12\x0f\n\x07seq_ids\x18\x01 \x01(\x0c\x12\x0f\n\x07offsets\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x01(\x0c\"6\n\x06\x46orkOp\x12\x15\n\rparent_seq_id\x18\x01 \x01(\x03\x12\x15\n\rchild_seq_ids\x18\x02 \x03(\x03\"\xa3\x02\n\x0cTableChanges\x12!\n\x05\x66orks\x18\x01 \x03(\x0b\x32\x12.kvpager.v1.ForkOp\x12\x17\n\x0f\x64ropped_seq_ids\x18\x02 \x01(\x0c\x12\x17\n\x0fstarted_seq_ids\x18\x03 \x01(\x0c\x12\x1c\n\x14started_context_lens\x18\x04 \x01(\x0c\x12\x17\n\x0fstarted_offsets\x18\x05 \x01(\x0c\x12\x19\n\x11started_block_ids\x18\x06 \x01(\x0c\x12\x18\n\x10\x65xtended_seq_ids\x18\x07 \x01(\x0c\x12\x1c\n\x14\x65xtended_first_index\x18\x08 \x01(\x0c\x12\x18\n\x10\x65xtended_offsets\x18\t \x01(\x0c\x12\x1a\n\x12\x65xtended_block_ids\x18\n \x01(\x0c\"\xe4\x01\n\x0c\x45xecutorPlan\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0btable_epoch\x18\x03 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x04 \x01(\x0c\x12\x12\n\nquery_lens\x18\x05 \x01(\x0c\x12(\n\x06tables\x18\x06 \x01(\x0b\x32\x18.kvpager.v1.TableChanges\x12\'\n\tcache_ops\x18\x07 \x01(\x0b\x32\x14.kvpager.v1.CacheOps\x12\x1d\n\x15started_cached_tokens\x18\x08 \x01(\x0c*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*j\n\x0ePreemptionMode\x12\x1f\n\x1bPREEMPTION_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19PREEMPTION_MODE_RECOMPUTE\x10\x01\x12\x18\n\x14PREEMPTION_MODE_SWAP\x10\x02*|\n\x0fRejectionReason\x12 \n\x1cREJECTION_REASON_UNSPECIFIED\x10\x00\x12\'\n#REJECTION_REASON_OVER_CONTEXT_LIMIT\x10\x01\x12\x1e\n\x1aREJECTION_REASON_OVER_POOL\x10\x02*;\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTIER_DEVICE\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpager.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1181
-  _globals['_FINISHREASON']._serialized_end=1326
-  _globals['_PREEMPTIONMODE']._serialized_start=1328
-  _globals['_PREEMPTIONMODE']._serialized_end=1434
-  _globals['_REJECTIONREASON']._serialized_start=1436
-  _globals['_REJECTIONREASON']._serialized_end=1560
-  _globals['_TIER']._serialized_start=1562
-  _globals['_TIER']._serialized_end=1621
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1412
+  _globals['_FINISHREASON']._serialized_end=1557
+  _globals['_PREEMPTIONMODE']._serialized_start=1559
+  _globals['_PREEMPTIONMODE']._serialized_end=1665
+  _globals['_REJECTIONREASON']._serialized_start=1667
+  _globals['_REJECTIONREASON']._serialized_end=1791
+  _globals['_TIER']._serialized_start=1793
+  _globals['_TIER']._serialized_end=1852
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=306
-  _globals['_USAGE']._serialized_start=308
-  _globals['_USAGE']._serialized_end=395
-  _globals['_CACHEOPS']._serialized_start=398
-  _globals['_CACHEOPS']._serialized_end=530
-  _globals['_TOKENBATCH']._serialized_start=532
-  _globals['_TOKENBATCH']._serialized_end=597
-  _globals['_FORKOP']._serialized_start=599
-  _globals['_FORKOP']._serialized_end=653
-  _globals['_TABLECHANGES']._serialized_start=656
-  _globals['_TABLECHANGES']._serialized_end=947
-  _globals['_EXECUTORPLAN']._serialized_start=950
-  _globals['_EXECUTORPLAN']._serialized_end=1178
+  _globals['_SAMPLINGPARAMS']._serialized_end=537
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=480
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=528
+  _globals['_USAGE']._serialized_start=539
+  _globals['_USAGE']._serialized_end=626
+  _globals['_CACHEOPS']._serialized_start=629
+  _globals['_CACHEOPS']._serialized_end=761
+  _globals['_TOKENBATCH']._serialized_start=763
+  _globals['_TOKENBATCH']._serialized_end=828
+  _globals['_FORKOP']._serialized_start=830
+  _globals['_FORKOP']._serialized_end=884
+  _globals['_TABLECHANGES']._serialized_start=887
+  _globals['_TABLECHANGES']._serialized_end=1178
+  _globals['_EXECUTORPLAN']._serialized_start=1181
+  _globals['_EXECUTORPLAN']._serialized_end=1409
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpager.v1 import common_pb2 as kvpager_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvpager/v1/executor.proto\x12\nkvpager.v1\x1a\x17kvpager/v1/common.proto\"\x99\x01\n\rSamplingBatch\x12\x13\n\x0bnum_samples\x18\x01 \x01(\x0c\x12\x13\n\x0btemperature\x18\x02 \x01(\x0c\x12\r\n\x05top_p\x18\x03 \x01(\x0c\x12\r\n\x05top_k\x18\x04 \x01(\x0c\x12\r\n\x05seeds\x18\x05 \x01(\x0c\x12\x18\n\x10num_top_logprobs\x18\x06 \x01(\x0c\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\"\xb4\x01\n\x0e\x45xecuteRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12&\n\x04plan\x18\x03 \x01(\x0b\x32\x18.kvpager.v1.ExecutorPlan\x12\x14\n\x0c\x63ontext_lens\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvpager.v1.SamplingBatch\"\xd3\x01\n\x0f\x45xecuteResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x01(\x0c\x12\x18\n\x10sampled_logprobs\x18\x03 \x01(\x0c\x12\x13\n\x0btop_offsets\x18\x04 \x01(\x0c\x12\x15\n\rtop_token_ids\x18\x05 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x0c\x12\x11\n\tforward_s\x18\x07 \x01(\x01\x12\x10\n\x08sample_s\x18\x08 \x01(\x01\x12\x13\n\x0b\x63\x61\x63he_ops_s\x18\t \x01(\x01\"\x10\n\x0eGetInfoRequest\"\x9b\x03\n\x0c\x45xecutorInfo\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0c \x01(\t\x12\x12\n\nnum_blocks\x18\r \x01(\r\x12\x12\n\nblock_size\x18\x0e \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\x0f \x01(\r\x12\x13\n\x0bincarnation\x18\x10 \x01(\x04\x12\x17\n\x0fpool_generation\x18\x11 \x01(\x04\x12\x15\n\rkv_pool_bytes\x18\x12 \x01(\x04\x12\x12\n\nmodel_impl\x18\x13 \x01(\t\"^\n\x12\x43onfirmPoolRequest\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x17\n\x0fpool_generation\x18\x02 \x01(\x04\x12\x1a\n\x12written_since_step\x18\x03 \x01(\x04\"\x9d\x01\n\x13\x43onfirmPoolResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x17\n\x0fpool_generation\x18\x03 \x01(\x04\x12\x14\n\x0clast_step_id\x18\x04 \x01(\x04\x12\x14\n\x0cwrites_known\x18\x05 \x01(\x08\x12\x19\n\x11written_block_ids\x18\x06 \x01(\x0c\x32\xe6\x01\n\x0f\x45xecutorService\x12\x42\n\x07\x45xecute\x12\x1a.kvpager.v1.ExecuteRequest\x1a\x1b.kvpager.v1.ExecuteResponse\x12?\n\x07GetInfo\x12\x1a.kvpager.v1.GetInfoRequest\x1a\x18.kvpager.v1.ExecutorInfo\x12N\n\x0b\x43onfirmPool\x12\x1e.kvpager.v1.ConfirmPoolRequest\x1a\x1f.kvpager.v1.ConfirmPoolResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvpager/v1/executor.proto\x12\nkvpager.v1\x1a\x17kvpager/v1/common.proto\"\x97\x03\n\rSamplingBatch\x12\x13\n\x0bnum_samples\x18\x01 \x01(\x0c\x12\x13\n\x0btemperature\x18\x02 \x01(\x0c\x12\r\n\x05top_p\x18\x03 \x01(\x0c\x12\r\n\x05top_k\x18\x04 \x01(\x0c\x12\r\n\x05seeds\x18\x05 \x01(\x0c\x12\x18\n\x10num_top_logprobs\x18\x06 \x01(\x0c\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x0c\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x0c\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x0c\x12\r\n\x05min_p\x18\x0b \x01(\x0c\x12\x1a\n\x12logit_bias_offsets\x18\x0c \x01(\x0c\x12\x1c\n\x14logit_bias_token_ids\x18\r \x01(\x0c\x12\x19\n\x11logit_bias_values\x18\x0e \x01(\x0c\x12\x13\n\x0bprompt_lens\x18\x0f \x01(\x0c\x12\x17\n\x0fhistory_offsets\x18\x10 \x01(\x0c\x12\x19\n\x11history_token_ids\x18\x11 \x01(\x0c\"\xb4\x01\n\x0e\x45xecuteRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12&\n\x04plan\x18\x03 \x01(\x0b\x32\x18.kvpager.v1.ExecutorPlan\x12\x14\n\x0c\x63ontext_lens\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvpager.v1.SamplingBatch\"\xd3\x01\n\x0f\x45xecuteResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x01(\x0c\x12\x18\n\x10sampled_logprobs\x18\x03 \x01(\x0c\x12\x13\n\x0btop_offsets\x18\x04 \x01(\x0c\x12\x15\n\rtop_token_ids\x18\x05 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x0c\x12\x11\n\tforward_s\x18\x07 \x01(\x01\x12\x10\n\x08sample_s\x18\x08 \x01(\x01\x12\x13\n\x0b\x63\x61\x63he_ops_s\x18\t \x01(\x01\"\x10\n\x0eGetInfoRequest\"\x9b\x03\n\x0c\x45xecutorInfo\x12\x13\n\x0b\x65xecutor_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0c \x01(\t\x12\x12\n\nnum_blocks\x18\r \x01(\r\x12\x12\n\nblock_size\x18\x0e \x01(\r\x12\x17\n\x0fnum_swap_blocks\x18\x0f \x01(\r\x12\x13\n\x0bincarnation\x18\x10 \x01(\x04\x12\x17\n\x0fpool_generation\x18\x11 \x01(\x04\x12\x15\n\rkv_pool_bytes\x18\x12 \x01(\x04\x12\x12\n\nmodel_impl\x18\x13 \x01(\t\"^\n\x12\x43onfirmPoolRequest\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x17\n\x0fpool_generation\x18\x02 \x01(\x04\x12\x1a\n\x12written_since_step\x18\x03 \x01(\x04\"\x9d\x01\n\x13\x43onfirmPoolResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x17\n\x0fpool_generation\x18\x03 \x01(\x04\x12\x14\n\x0clast_step_id\x18\x04 \x01(\x04\x12\x14\n\x0cwrites_known\x18\x05 \x01(\x08\x12\x19\n\x11written_block_ids\x18\x06 \x01(\x0c\x32\xe6\x01\n\x0f\x45xecutorService\x12\x42\n\x07\x45xecute\x12\x1a.kvpager.v1.ExecuteRequest\x1a\x1b.kvpager.v1.ExecuteResponse\x12?\n\x07GetInfo\x12\x1a.kvpager.v1.GetInfoRequest\x1a\x18.kvpager.v1.ExecutorInfo\x12N\n\x0b\x43onfirmPool\x12\x1e.kvpager.v1.ConfirmPoolRequest\x1a\x1f.kvpager.v1.ConfirmPoolResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpager.v1.executor_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGBATCH']._serialized_start=67
-  _globals['_SAMPLINGBATCH']._serialized_end=220
-  _globals['_EXECUTEREQUEST']._serialized_start=223
-  _globals['_EXECUTEREQUEST']._serialized_end=403
-  _globals['_EXECUTERESPONSE']._serialized_start=406
-  _globals['_EXECUTERESPONSE']._serialized_end=617
-  _globals['_GETINFOREQUEST']._serialized_start=619
-  _globals['_GETINFOREQUEST']._serialized_end=635
-  _globals['_EXECUTORINFO']._serialized_start=638
-  _globals['_EXECUTORINFO']._serialized_end=1049
-  _globals['_CONFIRMPOOLREQUEST']._serialized_start=1051
-  _globals['_CONFIRMPOOLREQUEST']._serialized_end=1145
-  _globals['_CONFIRMPOOLRESPONSE']._serialized_start=1148
-  _globals['_CONFIRMPOOLRESPONSE']._serialized_end=1305
-  _globals['_EXECUTORSERVICE']._serialized_start=1308
-  _globals['_EXECUTORSERVICE']._serialized_end=1538
+  _globals['_SAMPLINGBATCH']._serialized_end=474
+  _globals['_EXECUTEREQUEST']._serialized_start=477
+  _globals['_EXECUTEREQUEST']._serialized_end=657
+  _globals['_EXECUTERESPONSE']._serialized_start=660
+  _globals['_EXECUTERESPONSE']._serialized_end=871
+  _globals['_GETINFOREQUEST']._serialized_start=873
+  _globals['_GETINFOREQUEST']._serialized_end=889
+  _globals['_EXECUTORINFO']._serialized_start=892
+  _globals['_EXECUTORINFO']._serialized_end=1303
+  _globals['_CONFIRMPOOLREQUEST']._serialized_start=1305
+  _globals['_CONFIRMPOOLREQUEST']._serialized_end=1399
+  _globals['_CONFIRMPOOLRESPONSE']._serialized_start=1402
+  _globals['_CONFIRMPOOLRESPONSE']._serialized_end=1559
+  _globals['_EXECUTORSERVICE']._serialized_start=1562
+  _globals['_EXECUTORSERVICE']._serialized_end=1792
 # @@protoc_insertion_point(module_scope)

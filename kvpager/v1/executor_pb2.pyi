@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingBatch(_message.Message):
-    __slots__ = ("num_samples", "temperature", "top_p", "top_k", "seeds", "num_top_logprobs", "return_logprobs")
+    __slots__ = ("num_samples", "temperature", "top_p", "top_k", "seeds", "num_top_logprobs", "return_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias_offsets", "logit_bias_token_ids", "logit_bias_values", "prompt_lens", "history_offsets", "history_token_ids")
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,16 @@ class SamplingBatch(_message.Message):
     SEEDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     num_samples: bytes
     temperature: bytes
     top_p: bytes
@@ -23,7 +33,17 @@ class SamplingBatch(_message.Message):
     seeds: bytes
     num_top_logprobs: bytes
     return_logprobs: bool
-    def __init__(self, num_samples: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., num_top_logprobs: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    presence_penalty: bytes
+    frequency_penalty: bytes
+    repetition_penalty: bytes
+    min_p: bytes
+    logit_bias_offsets: bytes
+    logit_bias_token_ids: bytes
+    logit_bias_values: bytes
+    prompt_lens: bytes
+    history_offsets: bytes
+    history_token_ids: bytes
+    def __init__(self, num_samples: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., num_top_logprobs: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., min_p: _Optional[bytes] = ..., logit_bias_offsets: _Optional[bytes] = ..., logit_bias_token_ids: _Optional[bytes] = ..., logit_bias_values: _Optional[bytes] = ..., prompt_lens: _Optional[bytes] = ..., history_offsets: _Optional[bytes] = ..., history_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("step_id", "incarnation", "plan", "context_lens", "token_ids", "sampling")

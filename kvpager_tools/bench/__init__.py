@@ -15,6 +15,7 @@ BENCHMARKS = {
     "compare-vllm": "kvpager_tools.bench.compare_vllm",
     "overhead": "kvpager_tools.bench.overhead",
     "routing": "kvpager_tools.bench.routing",
+    "penalties": "kvpager_tools.bench.penalties",
 }
 
 

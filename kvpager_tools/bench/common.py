@@ -325,21 +325,38 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def run_load(address: str, requests: list[BenchRequest], *, rate: float = math.inf,
+@dataclass
+class Target:
+    """Where a load goes: a gateway over gRPC (``address``) or an
+    OpenAI-compatible server (``base_url``, "http://host:port" with or without
+    "/v1") with ``backend`` "openai" (completions, token ids) or
+    "openai-chat" (chat, the prompt's text: ``tokenizer`` decodes it)."""
+
+    backend: str = "grpc"
+    address: str = ""
+    base_url: str = ""
+    model: str = ""            # the request's "model"; "" = the first GET /v1/models lists
+    api_key: str | None = None
+    tokenizer: object = None
+
+    @classmethod
+    def of(cls, target) -> Target:
+        return target if isinstance(target, Target) else cls(address=target)
+
+
+async def run_load(target, requests: list[BenchRequest], *, rate: float = math.inf,
                    max_concurrency: int | None = None, ignore_eos: bool = True, seed: int = 0,
                    cache_salt: str = "", on_done=None, timeout_s: float = 3600.0) -> LoadResult:
-    """Stream every request through the gateway (greedy), recording token
-    arrival times. ``on_done(record)`` is called as each request finishes.
-    A fresh ``cache_salt`` keeps earlier runs' cached prefixes out of this one."""
-    from kvpager.channel import make_channel
-    from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-
+    """Stream every request (greedy) to ``target`` (a gateway's gRPC address,
+    or a Target), recording token arrival times. ``on_done(record)`` is called
+    as each request finishes. A fresh ``cache_salt`` keeps earlier runs'
+    cached prefixes out of this one."""
+    target = Target.of(target)
     offsets = arrival_offsets(len(requests), rate, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord(len(r.prompt_ids), r.max_tokens) for r in requests]
     in_flight = peak = 0
-    async with make_channel(address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+    async with _sender(target, ignore_eos, cache_salt, seed, timeout_s) as send:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
@@ -352,22 +369,8 @@ async def run_load(address: str, requests: list[BenchRequest], *, rate: float = 
             async with (sem if sem is not None else contextlib.nullcontext()):
                 in_flight += 1
                 peak = max(peak, in_flight)
-                msg = gateway_pb2.GenerateRequest(
-                    prompt_token_ids=req.prompt_ids, request_id=f"bench-{seed}-{cache_salt}-{i}", cache_salt=cache_salt,
-                    sampling_params=common_pb2.SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
-                                                              ignore_eos=ignore_eos))
                 try:
-                    out = await stream_generate(stub, msg, timeout_s=timeout_s, raise_errors=False)
-                    rec.start_s, rec.first_s = out.started_s, out.first_s
-                    c = out.completions.get(0)
-                    if c is not None:
-                        rec.chunk_s, rec.token_ids = c.chunk_times, c.token_ids
-                        rec.cached_tokens = c.usage.get("cached_prompt_tokens", 0)
-                    if out.status == "OK":
-                        rec.end_s = out.ended_s
-                        rec.num_out = len(rec.token_ids)
-                    else:
-                        rec.error = f"{out.status}: {out.details}"
+                    await send(i, req, rec)
                 finally:
                     in_flight -= 1
             if on_done is not None:
@@ -377,6 +380,56 @@ async def run_load(address: str, requests: list[BenchRequest], *, rate: float = 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         end = max((r.end_s for r in records if r.end_s is not None), default=time.perf_counter())
     return LoadResult(records, start, end, peak)
+
+
+@contextlib.asynccontextmanager
+async def _sender(target: Target, ignore_eos: bool, cache_salt: str, seed: int, timeout_s: float):
+    """send(i, request, record): one streamed request over the target's API."""
+    if target.backend == "grpc":
+        from kvpager.channel import make_channel
+        from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+        async with make_channel(target.address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+
+            async def send(i: int, req: BenchRequest, rec: RequestRecord) -> None:
+                msg = gateway_pb2.GenerateRequest(
+                    prompt_token_ids=req.prompt_ids, request_id=f"bench-{seed}-{cache_salt}-{i}",
+                    cache_salt=cache_salt,
+                    sampling_params=common_pb2.SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
+                                                              ignore_eos=ignore_eos))
+                out = await stream_generate(stub, msg, timeout_s=timeout_s, raise_errors=False)
+                rec.start_s, rec.first_s = out.started_s, out.first_s
+                c = out.completions.get(0)
+                if c is not None:
+                    rec.chunk_s, rec.token_ids = c.chunk_times, c.token_ids
+                    rec.cached_tokens = c.usage.get("cached_prompt_tokens", 0)
+                if out.status == "OK":
+                    rec.end_s = out.ended_s
+                    rec.num_out = len(rec.token_ids)
+                else:
+                    rec.error = f"{out.status}: {out.details}"
+
+            yield send
+        return
+    from kvpager_tools.bench.http_client import HttpClient
+    from kvpager_tools.bench.openai_load import request_body, served_model, stream_one
+
+    base = target.base_url.rstrip("/").removesuffix("/v1")
+    client = HttpClient(base, headers={"Authorization": f"Bearer {target.api_key}"} if target.api_key else {},
+                        timeout_s=timeout_s)
+    try:
+        model = target.model or await served_model(client)
+
+        async def send(i: int, req: BenchRequest, rec: RequestRecord) -> None:
+            text = target.tokenizer.decode(req.prompt_ids) if target.backend == "openai-chat" else None
+            path, body = request_body(target.backend, model, req.prompt_ids, req.max_tokens, ignore_eos=ignore_eos,
+                                      cache_salt=cache_salt, prompt_text=text)
+            await stream_one(client, path, body, rec)
+
+        yield send
+    finally:
+        await client.close()
 
 
 def load_metrics(result: LoadResult, slo_ms: dict[str, float] | None = None) -> dict:

@@ -1,12 +1,18 @@
 """`kvpager bench serve`: a serving benchmark in the style of vLLM's
-`benchmark_serving`, against a running gateway (`--address`) or an embedded
-stack it starts itself (memory service + executors + gateway as processes).
+`benchmark_serving`, against a running gateway (`--address`), any
+OpenAI-compatible server (`--base-url`: ours or another engine's) or an
+embedded stack it starts itself (memory service + executors + gateway as
+processes).
 
-Streams every request (greedy) and reports request / token throughput,
-TTFT, TPOT, ITL and E2E latency (mean, median, p90, p99), goodput under SLOs,
-peak concurrency, and — from the memory service's accounting — the prefix
-hit rate, preemptions and KV usage over time. A rich table with a progress
-bar while running; `--json` prints one JSON object; `--plot DIR` writes PNGs.
+Streams every request (greedy) over one or more backends (`--backend grpc`,
+`openai`: /v1/completions with the same token ids, `openai-chat`) and reports
+request / token throughput, TTFT, TPOT, ITL and E2E latency (mean, median,
+p90, p99), goodput under SLOs, peak concurrency, and — from the memory
+service's accounting, when it is ours — the prefix hit rate, preemptions and
+KV usage over time. Several backends run in the same stack, alternating
+(`--repeat` rounds), and `comparison` gives each one's throughput as a ratio
+to gRPC's (medians). A rich table with a progress bar while running; `--json`
+prints one JSON object; `--plot DIR` writes PNGs.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import argparse
 import asyncio
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +35,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(NAME, help="serving benchmark: throughput, TTFT/TPOT/ITL/E2E, goodput, KV usage")
     where = p.add_argument_group("target")
     where.add_argument("--address", default=None, help="a running gateway host:port (default: start a stack)")
+    where.add_argument("--backend", default="grpc",
+                       help="grpc | openai | openai-chat, or a comma list run in turn on the same target")
+    where.add_argument("--base-url", default=None,
+                       help="an OpenAI-compatible server, http://host:port (with or without /v1): the openai "
+                            "backends' target (default: the embedded stack's, or --address's gateway's)")
+    where.add_argument("--model-name", default=None, help="the requests' model (default: the first /v1/models lists)")
+    where.add_argument("--api-key", default=None, help="bearer token for --base-url")
+    where.add_argument("--repeat", type=int, default=1, help="rounds of every backend, alternating (medians)")
     where.add_argument("--memory-address", default=None,
                        help="its memory service, for hit rate / preemptions / KV usage (with --address)")
     where.add_argument("--model", default=None, help="checkpoint dir, 'demo' (default) or 'llama-30m'")
@@ -65,18 +80,43 @@ def parse_rates(text: str) -> list[float]:
 # ---- one run -------------------------------------------------------------------------
 
 
-async def _run_one(gateway: str, memory: str | None, requests, rate: float, args, salt: str, progress) -> dict:
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a local process (/proc), None when unknown."""
+    if pid is None:
+        return None
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    import os
+
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _run_one(target, memory: str | None, requests, rate: float, args, salt: str, progress,
+                   gateway_pid: int | None = None) -> dict:
+    target = bc.Target.of(target)
     before = await bc.accounting(memory) if memory else None
     watch = bc.AccountingWatch(memory, interval_ms=100) if memory else None
     if watch is not None:
         watch.start()
     t0 = time.time()
-    res = await bc.run_load(gateway, requests, rate=rate, max_concurrency=args.max_concurrency,
+    cpu0 = time.process_time()
+    gateway_cpu0 = process_cpu_s(gateway_pid)
+    res = await bc.run_load(target, requests, rate=rate, max_concurrency=args.max_concurrency,
                             ignore_eos=args.ignore_eos, seed=args.seed, cache_salt=salt, on_done=progress)
+    client_cpu_s = time.process_time() - cpu0
+    gateway_cpu1 = process_cpu_s(gateway_pid)
     if watch is not None:
         await watch.stop()
-    result = {"request_rate": "inf" if math.isinf(rate) else rate,
+    result = {"backend": target.backend, "request_rate": "inf" if math.isinf(rate) else rate,
               **bc.load_metrics(res, bc.parse_slo(args.goodput))}
+    # the load generator's own CPU (this process), taken from the server on a shared machine
+    result["client_cpu_us_per_token"] = (round(client_cpu_s / result["output_tokens"] * 1e6, 1)
+                                         if result["output_tokens"] else None)
+    if gateway_cpu0 is not None and gateway_cpu1 is not None and result["output_tokens"]:
+        # the gateway process (engine loop + its front door), embedded stacks only: what the API costs the server
+        result["gateway_cpu_us_per_token"] = round((gateway_cpu1 - gateway_cpu0) / result["output_tokens"] * 1e6, 1)
     if memory:
         after = await bc.accounting(memory)
         result["memory"] = bc.accounting_delta(before, after)
@@ -88,22 +128,59 @@ async def _run_one(gateway: str, memory: str | None, requests, rate: float, args
     return result
 
 
-def run_serve(gateway: str, memory: str | None, requests, rates: list[float], args, console=None) -> list[dict]:
+def run_serve(target, memory: str | None, requests, rates: list[float], args, console=None,
+              salt: str = "serve", gateway_pid: int | None = None) -> list[dict]:
     """Each rate in turn (a fresh cache salt per run: no run reuses an earlier run's prefixes)."""
+    gateway = target
     runs = []
     for i, rate in enumerate(rates):
-        label = "inf" if math.isinf(rate) else f"{rate:g}/s"
+        label = ("inf" if math.isinf(rate) else f"{rate:g}/s") + f" {bc.Target.of(target).backend}"
         if console is not None:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             with Progress(TextColumn(f"[bold]rate {label}"), BarColumn(), MofNCompleteColumn(),
                           TimeElapsedColumn(), console=console, transient=True) as bar:
                 task = bar.add_task("requests", total=len(requests))
-                runs.append(asyncio.run(_run_one(gateway, memory, requests, rate, args, f"serve-{i}",
-                                                 lambda _rec: bar.advance(task))))
+                runs.append(asyncio.run(_run_one(gateway, memory, requests, rate, args, f"{salt}-{i}",
+                                                 lambda _rec: bar.advance(task), gateway_pid)))
         else:
-            runs.append(asyncio.run(_run_one(gateway, memory, requests, rate, args, f"serve-{i}", None)))
+            runs.append(asyncio.run(_run_one(gateway, memory, requests, rate, args, f"{salt}-{i}", None,
+                                             gateway_pid)))
     return runs
+
+
+def comparison(runs: list[dict]) -> list[dict]:
+    """Per rate: each backend's median output and request throughput, and its
+    ratio to gRPC's (goal for HTTP: grpc / openai <= 1.10)."""
+    out = []
+    for rate in dict.fromkeys(r["request_rate"] for r in runs):
+        by = {}
+        for r in runs:
+            if r["request_rate"] == rate and r["output_throughput"] is not None:
+                by.setdefault(r["backend"], []).append(r)
+        row = {"request_rate": rate}
+        for backend, rs in by.items():
+            cpu = [r["gateway_cpu_us_per_token"] for r in rs if r.get("gateway_cpu_us_per_token") is not None]
+            row[backend] = {"output_throughput": statistics.median(r["output_throughput"] for r in rs),
+                            "gateway_cpu_us_per_token": statistics.median(cpu) if cpu else None,
+                            "request_throughput": statistics.median(r["request_throughput"] for r in rs),
+                            "ttft_median_ms": statistics.median(r["ttft_ms"]["median"] or 0 for r in rs),
+                            "runs": len(rs)}
+        if "grpc" in by:
+            grpc_by_round = {r.get("round"): r["output_throughput"] for r in by["grpc"]}
+            for backend, rs in by.items():
+                if backend == "grpc" or not row[backend]["output_throughput"]:
+                    continue
+                row[f"grpc_over_{backend}_throughput"] = round(
+                    row["grpc"]["output_throughput"] / row[backend]["output_throughput"], 3)
+                # each round's two runs are adjacent in time: their ratio cancels slow drift in the machine's load
+                paired = sorted(grpc_by_round[r["round"]] / r["output_throughput"] for r in rs
+                                if r.get("round") in grpc_by_round and r["output_throughput"])
+                if paired:
+                    row[f"grpc_over_{backend}_paired"] = {"median": round(statistics.median(paired), 3),
+                                                          "min": round(paired[0], 3), "max": round(paired[-1], 3)}
+        out.append(row)
+    return out
 
 
 # ---- rendering -------------------------------------------------------------------------
@@ -115,7 +192,7 @@ def render(runs: list[dict], config: dict):
     table = Table(title=f"kvpager bench serve — {config['dataset']}, {config['num_prompts']} prompts")
     table.add_column("metric")
     for r in runs:
-        table.add_column(f"rate {r['request_rate']}", justify="right")
+        table.add_column(f"rate {r['request_rate']} {r.get('backend', 'grpc')}", justify="right")
 
     def row(name: str, get) -> None:
         table.add_row(name, *[_fmt(get(r)) for r in runs])
@@ -238,23 +315,62 @@ def _token_range_for(args, gateway: str) -> tuple[int, int]:
     return 16, asyncio.run(vocab())
 
 
+def _targets(args, gateway: str | None, base_url: str | None) -> list:
+    targets = []
+    tokenizer = None
+    for backend in args.backend.split(","):
+        backend = backend.strip()
+        if backend == "grpc":
+            if not gateway:
+                raise ValueError("--backend grpc needs a gateway (--address, or no --base-url: an embedded stack)")
+            targets.append(bc.Target(address=gateway))
+            continue
+        if backend not in ("openai", "openai-chat"):
+            raise ValueError(f"--backend: grpc, openai or openai-chat, got {backend!r}")
+        if not base_url:
+            raise ValueError(f"--backend {backend} needs --base-url (or an embedded stack)")
+        if backend == "openai-chat" and tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(bc.model_dir(args.model)), local_files_only=True)
+        targets.append(bc.Target(backend=backend, base_url=base_url, model=args.model_name or "",
+                                 api_key=args.api_key, tokenizer=tokenizer))
+    return targets
+
+
 def serve(args: argparse.Namespace, console=None) -> dict:
     rates = parse_rates(args.request_rate)
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench", "command")}
+    for name, default in (("backend", "grpc"), ("base_url", None), ("model_name", None), ("api_key", None),
+                          ("repeat", 1)):
+        if not hasattr(args, name):  # callers that build the namespace themselves
+            setattr(args, name, default)
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench", "command", "api_key")}
 
-    def body(gateway: str, memory: str | None) -> dict:
-        lo, hi = _token_range_for(args, gateway)
+    def body(gateway: str | None, memory: str | None, base_url: str | None, gateway_pid: int | None = None) -> dict:
+        targets = _targets(args, gateway, base_url)
+        if gateway:
+            lo, hi = _token_range_for(args, gateway)
+        else:
+            lo, hi = bc.token_range(bc.model_dir(args.model))  # another engine: the checkpoint it serves
         requests = bc.make_dataset(args.dataset, args.num_prompts, token_lo=lo, token_hi=hi, seed=args.seed,
                                    input_len=args.input_len, output_len=args.output_len,
                                    range_ratio=args.range_ratio, num_prefixes=args.num_prefixes,
                                    prefix_len=args.prefix_len, suffix_len=args.suffix_len)
-        # warm-up: a few requests, their own cache salt
-        asyncio.run(bc.run_load(gateway, requests[:4], ignore_eos=True, cache_salt="serve-warmup"))
-        runs = run_serve(gateway, memory, requests, rates, args, console)
-        return {"best_prefix_hit_rate": round(bc.best_hit_rate(requests, 16), 5), "runs": runs}
+        for t in targets:  # warm-up: a few requests per backend, their own cache salt
+            asyncio.run(bc.run_load(t, requests[:4], ignore_eos=True, cache_salt=f"serve-warmup-{t.backend}"))
+        runs = []
+        for r in range(max(1, args.repeat)):
+            for t in targets:  # alternating, so drift in the machine's load hits every backend alike
+                for run in run_serve(t, memory, requests, rates, args, console, salt=f"serve-{r}-{t.backend}",
+                                     gateway_pid=gateway_pid):
+                    runs.append({"round": r, **run})
+        out = {"best_prefix_hit_rate": round(bc.best_hit_rate(requests, 16), 5), "runs": runs}
+        if len(targets) > 1 or args.repeat > 1:
+            out["comparison"] = comparison(runs)
+        return out
 
-    if args.address:
-        result = body(args.address, args.memory_address)
+    if args.address or args.base_url:
+        result = body(args.address, args.memory_address, args.base_url)
     else:
         model = str(bc.model_dir(args.model))
         config["model"] = model
@@ -263,7 +379,8 @@ def serve(args: argparse.Namespace, console=None) -> dict:
         if console is not None:
             console.print(f"starting the stack: {args.executors} executor(s), {model}", style="dim")
         with bc.embedded_stack(opts) as stack:
-            result = body(stack.addresses.gateway, stack.addresses.memory)
+            result = body(stack.addresses.gateway, stack.addresses.memory, stack.addresses.http,
+                          stack.pid("gateway"))
     return {"benchmark": NAME, "machine": machine(), "config": config, **result}
 
 
@@ -271,8 +388,13 @@ def machine() -> dict:
     import os
     import platform
 
+    try:
+        with open("/proc/loadavg") as f:
+            loadavg = f.read().split()[:3]
+    except OSError:
+        loadavg = None
     return {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "platform": platform.platform(), "python": platform.python_version()}
+            "platform": platform.platform(), "python": platform.python_version(), "loadavg": loadavg}
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -288,6 +410,10 @@ def _main(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         Console().print(render(result["runs"], result["config"]))
+        for row in result.get("comparison", []):
+            ratios = {k: v for k, v in row.items() if k.startswith("grpc_over_")}
+            if ratios:
+                print(f"rate {row['request_rate']}: " + ", ".join(f"{k} = {v}" for k, v in ratios.items()))
         if result.get("plots"):
             print("plots: " + ", ".join(result["plots"]))
     return 0

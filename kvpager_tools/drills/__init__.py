@@ -13,6 +13,7 @@ one JSON summary (``DrillResult``) and exits 1 when the check fails.
     memory-restart  restart the memory service under load with the Redis mirror on
     redis-kill      kill and restart Redis under load
     load            many concurrent streams (1,000 by default): throughput, p99 latencies, peak RSS
+    http-load       1,000 concurrent streaming HTTP requests (OpenAI API): each completes or gets 429, no 5xx
     soak            a random mix of the above for --duration-s
 
 docs/reliability.md has the figures of full runs.

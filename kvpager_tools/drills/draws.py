@@ -90,6 +90,12 @@ def lists(elements: Strategy, *, min_size: int = 0, max_size: int = 8, unique: b
     return Strategy(draw)
 
 
+def dictionaries(keys: Strategy, values: Strategy, *, max_size: int = 8) -> Strategy:
+    """Dicts of up to max_size entries (distinct keys: a repeated key is drawn again)."""
+    pairs = lists(keys, max_size=max_size, unique=True)
+    return Strategy(lambda rng: {k: values.draw(rng) for k in pairs.draw(rng)})
+
+
 def tuples(*strategies: Strategy) -> Strategy:
     return Strategy(lambda rng: tuple(s.draw(rng) for s in strategies))
 

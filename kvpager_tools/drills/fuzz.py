@@ -5,7 +5,8 @@ Two phases share the budget:
 * **Generate**: requests drawn from edge-heavy strategies (prompt text or
   token ids in and around the vocabulary, lengths around the context limit,
   max_tokens 0 / at / past the limit, NaN and infinite floats, n and
-  beam_width around the cap, stop strings, seeds, priorities, salts). Only
+  beam_width around the cap, stop strings, seeds, priorities, salts,
+  penalties, min_p, logit bias, top logprobs). Only
   OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED and DEADLINE_EXCEEDED are
   acceptable; a completed request must have n completions of at most
   max_tokens in-vocabulary tokens.
@@ -106,7 +107,10 @@ def _generate_strategy(info: gateway_pb2.ModelInfo) -> st.Strategy:
             stop=draw(st.lists(st.sampled_from(["", ".", "the", "\x00", "é"]), max_size=2)),
             stop_token_ids=draw(st.lists(token, max_size=2)), ignore_eos=draw(st.booleans()),
             beam_width=draw(st.sampled_from([0, 0, 1, 2, max_n, max_n + 1])), length_penalty=draw(floats),
-            min_tokens=draw(st.sampled_from([0, 0, 1, 3, 10])), logprobs=draw(st.sampled_from([0, 1, 5])))
+            min_tokens=draw(st.sampled_from([0, 0, 1, 3, 10])), logprobs=draw(st.sampled_from([0, 1, 5])),
+            presence_penalty=draw(floats), frequency_penalty=draw(floats), repetition_penalty=draw(floats),
+            min_p=draw(floats), top_logprobs=draw(st.sampled_from([0, 0, 1, 20, 21, 2**32 - 1])),
+            logit_bias=draw(st.dictionaries(token, floats, max_size=3)))
         if draw(st.booleans()):
             sp.seed = draw(seeds)
         return gateway_pb2.GenerateRequest(
@@ -126,7 +130,10 @@ def _generate_strategy(info: gateway_pb2.ModelInfo) -> st.Strategy:
             length_penalty=draw(st.sampled_from([0.0, 0.5, 2.0, -1.0])),
             stop=draw(st.lists(st.sampled_from([".", "the", "é"]), max_size=1)),
             stop_token_ids=draw(st.lists(st.integers(3, vocab - 1), max_size=2)),
-            logprobs=draw(st.sampled_from([0, 1])))
+            logprobs=draw(st.sampled_from([0, 1])), top_logprobs=draw(st.sampled_from([0, 0, 3])),
+            repetition_penalty=draw(st.sampled_from([0.0, 0.0, 1.3])),
+            presence_penalty=draw(st.sampled_from([0.0, 0.0, 0.5])), min_p=draw(st.sampled_from([0.0, 0.0, 0.1])),
+            logit_bias=draw(st.dictionaries(st.integers(3, vocab - 1), st.sampled_from([-100.0, 5.0]), max_size=2)))
         if draw(st.booleans()):
             sp.seed = draw(seeds)
         use_text = draw(st.booleans())
@@ -153,8 +160,9 @@ def _check_completion(result: DrillResult, request: gateway_pb2.GenerateRequest,
         ok = len(finished) == want
     if not ok:
         result.violation(f"completed request has {len(finished)} finished completions, want {want}")
+    max_tokens = sp.max_tokens or float("inf")  # 0: the rest of the context (the executor bounds it)
     for index, toks in tokens.items():
-        if len(toks) > sp.max_tokens:
+        if len(toks) > max_tokens:
             result.violation(f"completion {index} has {len(toks)} tokens > max_tokens {sp.max_tokens}")
         if any(not 0 <= t < vocab for t in toks):
             result.violation(f"completion {index} has a token outside the vocabulary")

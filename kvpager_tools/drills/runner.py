@@ -29,6 +29,7 @@ DRILLS = {
     "memory-restart": "memory_restart",
     "redis-kill": "redis_kill",
     "load": "load",
+    "http-load": "http_load",
     "soak": "soak",
 }
 

@@ -45,9 +45,11 @@ async def generate(stub, prompt_ids=None, prompt=None, **kw):
     req = gateway_pb2.GenerateRequest(prompt_token_ids=prompt_ids or [], prompt=prompt or "",
                                       sampling_params=params(**{k: v for k, v in kw.items()
                                                                 if k not in ("priority", "cache_salt",
-                                                                             "request_id", "timeout")}),
+                                                                             "request_id", "timeout",
+                                                                             "skip_special_tokens")}),
                                       priority=kw.get("priority", 0), cache_salt=kw.get("cache_salt", ""),
-                                      request_id=kw.get("request_id", ""))
+                                      request_id=kw.get("request_id", ""),
+                                      skip_special_tokens=kw.get("skip_special_tokens", False))
     out = await stream_generate(stub, req, timeout_s=kw.get("timeout", 60))
     return {i: [c.token_ids, c.text, c.finish, SimpleNamespace(**c.usage) if c.usage else None]
             for i, c in out.completions.items()}

@@ -45,7 +45,16 @@ CASES = [
     ("both prompt and ids", req(ids=(1,), prompt="hi"), S.INVALID_ARGUMENT),
     ("prompt at context limit", req(ids=[1] * 128), S.INVALID_ARGUMENT),
     ("prompt + max_tokens over limit", req(ids=[1] * 100, max_tokens=29), S.INVALID_ARGUMENT),
-    ("max_tokens 0", req(max_tokens=0), S.INVALID_ARGUMENT),
+    ("min_tokens above the rest of the context (max_tokens 0)", req(ids=[1] * 120, max_tokens=0, min_tokens=9),
+     S.INVALID_ARGUMENT),
+    ("presence penalty out of range", req(presence_penalty=2.5), S.INVALID_ARGUMENT),
+    ("nan frequency penalty", req(frequency_penalty=math.nan), S.INVALID_ARGUMENT),
+    ("negative repetition penalty", req(repetition_penalty=-1.0), S.INVALID_ARGUMENT),
+    ("min_p above 1", req(min_p=1.5), S.INVALID_ARGUMENT),
+    ("logit bias outside the vocabulary", req(logit_bias={100000: 1.0}), S.INVALID_ARGUMENT),
+    ("logit bias above 100", req(logit_bias={5: 101.0}), S.INVALID_ARGUMENT),
+    ("top_logprobs above 20", req(logprobs=1, top_logprobs=21), S.INVALID_ARGUMENT),
+    ("beam search with a penalty", req(beam_width=2, repetition_penalty=1.2), S.INVALID_ARGUMENT),
     ("negative temperature", req(temperature=-0.5), S.INVALID_ARGUMENT),
     ("nan temperature", req(temperature=math.nan), S.INVALID_ARGUMENT),
     ("inf temperature", req(temperature=math.inf), S.INVALID_ARGUMENT),
@@ -76,6 +85,15 @@ async def test_bad_request_status_and_no_leak(stack, name, request_, code):
     # the service is still fine
     res = await generate(stack.gw, [3, 4, 5], max_tokens=2, ignore_eos=True)
     assert len(res[0][0]) == 2
+
+
+async def test_max_tokens_0_is_the_rest_of_the_context(stack):
+    """proto3's unset max_tokens generates until the context is full (128 here)."""
+    res = await generate(stack.gw, [5] * 120, max_tokens=0, ignore_eos=True)
+    tokens, _, finish, usage = res[0]
+    assert len(tokens) == 8 and finish == common_pb2.FINISH_REASON_LENGTH
+    assert usage.prompt_tokens + usage.completion_tokens == 128
+    await stack.wait_idle()
 
 
 async def test_queue_full_is_resource_exhausted_with_retry_hint(stack):

@@ -71,6 +71,27 @@ def test_serve(stack, tmp_path):
     json.dumps(result)
 
 
+def test_serve_over_http_and_grpc_in_one_run(stack):
+    from kvpager_tools.bench.serve import serve
+
+    a = stack.addresses
+    args = argparse.Namespace(address=a.gateway, memory_address=a.memory, model="demo", executors=1,
+                              num_blocks=None, max_batch_tokens=None, max_running=None, dataset="random",
+                              num_prompts=3, input_len=12, output_len=3, range_ratio=0.0, num_prefixes=2,
+                              prefix_len=32, suffix_len=4, seed=0, request_rate="inf", max_concurrency=None,
+                              ignore_eos=True, goodput=None, json=True, plot=None,
+                              backend="grpc,openai,openai-chat", base_url=a.http + "/v1", model_name=None,
+                              api_key=None, repeat=1)
+    result = serve(args)
+    assert [r["backend"] for r in result["runs"]] == ["grpc", "openai", "openai-chat"]
+    for r in result["runs"]:
+        assert r["completed"] == 3 and r["failed"] == 0 and r["output_tokens"] == 9, r.get("errors")
+        assert r["ttft_ms"]["median"] > 0 and r["itl_ms"]["median"] is not None
+    [row] = result["comparison"]
+    assert row["grpc_over_openai_throughput"] > 0 and row["grpc_over_openai-chat_throughput"] > 0
+    assert result["machine"]["loadavg"]
+
+
 def test_compare_hf(stack, model):
     from kvpager_tools.bench.compare_hf import compare, make_prompts
 
@@ -118,3 +139,13 @@ def test_routing(model):
     assert result["hit_rate_vs_best"] == pytest.approx(1.0)
     assert result["throughput_ratio"] > 0 and result["ttft_p90_ratio"] > 0
     json.dumps(result)
+
+
+def test_penalties_bytes_do_not_grow_with_the_context():
+    from kvpager_tools.bench.penalties import executor_us, message_bytes
+
+    short, long = message_bytes(8, 64), message_bytes(8, 1024)
+    assert short["penalties_bytes"] == long["penalties_bytes"] < 2 * short["plain_bytes"]
+    assert long["penalties_history_every_step_bytes"] > 8 * 1024 * 4  # what the executor's histories save
+    t = executor_us(4, 64, 320, repeats=2)
+    assert t["history_resolve_us"] > 0 and t["sample_penalties_us"] > 0

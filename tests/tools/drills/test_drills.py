@@ -41,6 +41,13 @@ def test_load(env):
     assert set(summary["figures"]["memory"]) == {"memory", "executor-0", "executor-1", "gateway"}
 
 
+def test_http_load(env):
+    summary = assert_ok(run_drill(env, "http-load", streams=64, max_tokens=8))
+    f = summary["figures"]
+    assert f["completed"] + f["rejected_429"] == 64 and f["server_errors"] == 0 and f["other_errors"] == 0
+    assert f["completed"] > 0 and f["e2e_p99_ms"] > 0
+
+
 def test_fuzz(env):
     summary = assert_ok(run_drill(env, "fuzz", budget_s=12.0))
     assert summary["figures"]["generate_examples"] > 0 and summary["figures"]["memory_examples"] > 0

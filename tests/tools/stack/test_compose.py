@@ -95,7 +95,8 @@ def test_only_the_gateway_is_published_on_loopback(config):
     services = config["services"]
     assert "ports" not in services["redis"]
     assert [name for name, s in services.items() if s.get("ports")] == ["gateway"]
-    assert published(services["gateway"]) == [("127.0.0.1", "50050")]
+    assert published(services["gateway"]) == [("127.0.0.1", "50050"), ("127.0.0.1", "8000")]
+    assert "--http-port=8000" in services["gateway"]["command"]
 
 
 def test_backend_network_is_internal(config):

@@ -44,7 +44,7 @@ def test_up_two_executors_exact_command_lines():
             "--model-impl", "auto", "--log-level", "INFO"]
     assert children[3].argv == [PY, "-m", "gateway", "--host", "127.0.0.1", "--port", "50050",
                                 "--metrics-port", "9101", "--memory-address", "127.0.0.1:50051",
-                                "--model", "/models/m", "--redis-url", "redis://cache:6379/0",
+                                "--model", "/models/m", "--http-port", "8000", "--redis-url", "redis://cache:6379/0",
                                 "--log-level", "INFO"]
     assert [c.address for c in children] == ["127.0.0.1:50051", "127.0.0.1:50060", "127.0.0.1:50061",
                                              "127.0.0.1:50050"]
@@ -98,11 +98,12 @@ def test_extra_args_go_last_per_role():
 
 def test_free_ports():
     config = StackConfig(num_executors=3, metrics_base_port=0).on_free_ports()
-    ports = [config.memory_port, config.gateway_port, *(config.executor_base_port + i for i in range(3)),
+    ports = [config.memory_port, config.gateway_port, config.http_port, *(config.executor_base_port + i for i in range(3)),
              *(config.metrics_base_port + i for i in range(5))]
     assert len(set(ports)) == len(ports) and all(p > 0 for p in ports)
     filled = StackConfig(memory_port=0).with_ports_filled()
     assert filled.memory_port > 0 and (filled.gateway_port, filled.executor_base_port) == (50050, 50060)
+    assert filled.http_port == 8000 and StackConfig(http_port=None).on_free_ports().http_port is None
 
 
 def test_generate_builds_the_request():
@@ -182,6 +183,11 @@ def test_stack_end_to_end_demo_model(tmp_path, monkeypatch):
         (completion,) = [json.loads(line) for line in gen.stdout.splitlines()]
         assert completion["index"] == 0 and completion["finish_reason"] == "length"
         assert len(completion["token_ids"]) == 8 and completion["usage"]["completion_tokens"] == 8
+        # the gateway child serves the OpenAI-compatible API on the stack's HTTP port
+        import urllib.request
+
+        models = json.loads(urllib.request.urlopen(f"{a.http}/v1/models", timeout=10).read())
+        assert models["data"][0]["id"] == "demo" and models["data"][0]["max_model_len"] > 0
 
         # The finished sequence's blocks go back with the gateway's next step.
         deadline = time.monotonic() + 15
