@@ -21,6 +21,7 @@ from executor_service import metrics
 from executor_service.attention import load_backend
 from executor_service.config import ExecutorConfig
 from executor_service.history import TokenHistories
+from executor_service.placeholders import LastSamples
 from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidates
 from executor_service.kv_pool import GIB, KvPool, block_bytes, device_pool_budget, num_blocks_for_bytes
 from executor_service.model_runner import ModelRunner, resolve_device
@@ -151,6 +152,8 @@ class Executor:
         self.tables = BlockTables(num_blocks, config.block_size, self.max_model_len)
         # The penalised sequences' tokens, following the same plans (history.py).
         self.histories = TokenHistories()
+        # Its last step's one-token samples: the next step's placeholder tokens (placeholders.py).
+        self.last_samples = LastSamples()
         self._limits = PoolLimits(
             num_blocks=num_blocks,
             num_swap_blocks=num_swap,
@@ -253,6 +256,7 @@ class Executor:
         touching anything, ResourceExhausted when memory runs out."""
         step = check_step(step, self._limits)
         with self._lock:
+            step = self.last_samples.fill(step)
             resolved = self.tables.resolve(step.table_epoch, step.tables, step.seq_ids, step.query_lens,
                                            step.context_lens)
             histories = self.histories.resolve(step, resolved)
@@ -263,7 +267,9 @@ class Executor:
             self.tables.commit(resolved, step.seq_ids, step.query_lens)
             self.histories.commit(histories)
             try:
-                return self._run(step, resolved, histories.rows)
+                out = self._run(step, resolved, histories.rows)
+                self.last_samples.record(step, out)
+                return out
             except Exception as exc:
                 # The pool may hold half-applied moves now: invalidate what
                 # the memory service remembers of it, and every table.
@@ -272,6 +278,7 @@ class Executor:
                 self.write_log.reset()
                 self.tables.clear()
                 self.histories.clear()
+                self.last_samples.clear()
                 if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
                     metrics.FAILED_STEPS.labels(self.executor_id, "error").inc()
                     raise

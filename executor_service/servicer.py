@@ -18,7 +18,7 @@ from executor_service.executor import Executor
 from executor_service.step import CacheOps, Sampling, StepInput, StepOutput
 from executor_service.tables import TableChanges
 from kvpager import packed
-from kvpager.errors import Unavailable
+from kvpager.errors import FailedPrecondition, Unavailable
 from kvpager.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 
@@ -90,6 +90,7 @@ def step_from_proto(req: executor_pb2.ExecuteRequest) -> StepInput:
         tables=tables_from_proto(plan.tables),
         context_lens=_opt(req.context_lens, _i32, "context_lens"),
         cache_ops=cache_ops_from_proto(plan.cache_ops),
+        prev_step_id=req.prev_step_id,
         sampling=Sampling(
             num_samples=_opt(s.num_samples, _i32, "sampling.num_samples"),
             temperature=_opt(s.temperature, _f32, "sampling.temperature"),
@@ -126,6 +127,10 @@ def response_from_output(out: StepOutput) -> executor_pb2.ExecuteResponse:
     )
 
 
+# How long a step planned ahead waits for the step it follows to arrive.
+PREVIOUS_STEP_WAIT_S = 30.0
+
+
 class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     """Answers UNAVAILABLE until ``attach(executor)`` (the model is loading)."""
 
@@ -133,6 +138,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         self.executor = executor
         # One worker: steps are serialised anyway, and torch releases the GIL.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+        self._submitted = 0                  # the latest step id handed to the worker
+        self._order = asyncio.Condition()    # notified when it changes
 
     def attach(self, executor: Executor) -> None:
         self.executor = executor
@@ -146,11 +153,35 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     async def Execute(self, request, context):
-        executor = self._ready()
-        step = step_from_proto(request)
+        try:
+            executor = self._ready()
+            step = step_from_proto(request)
+        except Exception:
+            await self._handed_over(request.step_id)  # a step waiting for this one fails fast, not by timeout
+            raise
+        if step.prev_step_id and self._submitted < step.prev_step_id:
+            # Planned while its previous step ran: queue behind that step, which
+            # another call is bringing (the gateway sent it first).
+            try:
+                async with self._order:
+                    await asyncio.wait_for(self._order.wait_for(lambda: self._submitted >= step.prev_step_id),
+                                           PREVIOUS_STEP_WAIT_S)
+            except TimeoutError:
+                raise FailedPrecondition(f"step {step.step_id} waits for step {step.prev_step_id}, which did not "
+                                         f"come within {PREVIOUS_STEP_WAIT_S:g} s") from None
         loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(self._worker, executor.execute, step)
+        # The worker runs steps in the order they are handed over: the next
+        # step starts the moment this one ends, with no wake-up in between.
+        future = loop.run_in_executor(self._worker, executor.execute, step)
+        await self._handed_over(step.step_id)
+        out = await future
         return response_from_output(out)
+
+    async def _handed_over(self, step_id: int) -> None:
+        if step_id > self._submitted:
+            self._submitted = step_id
+            async with self._order:
+                self._order.notify_all()
 
     async def GetInfo(self, request, context):
         info = self._ready().info()

@@ -105,6 +105,9 @@ class StepInput:
     incarnation: int = 0             # 0 = unchecked
     cache_ops: CacheOps = field(default_factory=CacheOps)
     sampling: Sampling = field(default_factory=Sampling)
+    # The step whose one-token samples fill this step's placeholder tokens (-1);
+    # 0 = none (executor_service.placeholders).
+    prev_step_id: int = 0
 
 
 @dataclass(slots=True)
@@ -277,7 +280,13 @@ def check_step(step: StepInput, limits: PoolLimits) -> StepInput:
     if n and int(q.max()) > limits.max_model_len:
         _fail(f"query_lens must be <= max_model_len {limits.max_model_len}")
     _check_len(step.token_ids, int(q.sum()), "token_ids (sum of query_lens)")
-    _check_ids(step.token_ids, limits.vocab_size, "token_ids", "token")
+    tokens = step.token_ids
+    if step.prev_step_id and len(tokens) and int(tokens.min()) == -1:
+        from executor_service.placeholders import PLACEHOLDER, check_placeholders
+
+        check_placeholders(step)
+        tokens = tokens[tokens != PLACEHOLDER]
+    _check_ids(tokens, limits.vocab_size, "token_ids", "token")
     _check_cache_ops(step.cache_ops, limits)
     sampling = _normalized_sampling(step.sampling, n, limits.vocab_size)
     return dataclasses.replace(step, sampling=sampling)

@@ -1,0 +1,82 @@
+"""Input tokens the executor fills in itself: what it sampled last step.
+
+A gateway that plans a step while the previous one runs does not know the
+token each decode feeds in yet: it sends ``PLACEHOLDER`` for it and names
+the step whose sample it is (``StepInput.prev_step_id``, this executor's
+previous Execute). The executor keeps the one-token samples of its last step
+and substitutes them before anything else looks at the step, so tables,
+penalty histories and the forward only ever see real token ids. Which step
+the placeholders refer to is checked: a plan out of step with the executor
+is refused (FAILED_PRECONDITION), never run on stale tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from executor_service.step import StepInput, StepOutput
+from kvpager.errors import FailedPrecondition, InvalidArgument
+
+PLACEHOLDER = -1
+
+
+def check_placeholders(step: StepInput) -> None:
+    """A placeholder is a row's only token (a decode) and needs prev_step_id."""
+    holes = step.token_ids == PLACEHOLDER
+    if not holes.any():
+        return
+    if not step.prev_step_id:
+        raise InvalidArgument("token_ids: a placeholder (-1) needs prev_step_id, the step that samples it")
+    starts = np.zeros(len(step.query_lens) + 1, np.int64)
+    np.cumsum(step.query_lens, out=starts[1:])
+    rows = np.nonzero(step.query_lens == 1)[0]
+    allowed = np.zeros(len(step.token_ids), bool)
+    allowed[starts[rows]] = True
+    if (holes & ~allowed).any():
+        raise InvalidArgument("token_ids: a placeholder (-1) may only be a decode row's single token")
+
+
+class LastSamples:
+    """The previous step's one-token samples, per sequence."""
+
+    def __init__(self) -> None:
+        self.step_id = 0
+        self._tokens: dict[int, int] = {}
+
+    def clear(self) -> None:
+        self.step_id, self._tokens = 0, {}
+
+    def record(self, step: StepInput, out: StepOutput) -> None:
+        num = step.sampling.num_samples
+        one = num == 1
+        self.step_id = step.step_id
+        if not one.any():
+            self._tokens = {}
+            return
+        # sampled_token_ids holds sum(num_samples) tokens in row order: a one-token row's is at its offset.
+        offsets = np.zeros(len(num) + 1, np.int64)
+        np.cumsum(num, out=offsets[1:])
+        rows = np.nonzero(one)[0]
+        self._tokens = dict(zip(step.seq_ids[rows].tolist(), out.sampled_token_ids[offsets[rows]].tolist()))
+
+    def fill(self, step: StepInput) -> StepInput:
+        """The step with its placeholders replaced (checked: ``check_placeholders``)."""
+        holes = np.nonzero(step.token_ids == PLACEHOLDER)[0]
+        if not len(holes):
+            return step
+        if step.prev_step_id != self.step_id:
+            raise FailedPrecondition(f"step {step.step_id} takes its tokens from step {step.prev_step_id}, but this "
+                                     f"executor's last step is {self.step_id or 'none'} (a failed or missing step)")
+        starts = np.zeros(len(step.query_lens) + 1, np.int64)
+        np.cumsum(step.query_lens, out=starts[1:])
+        row_of = np.searchsorted(starts, holes, side="right") - 1
+        tokens = step.token_ids.copy()
+        for pos, seq_id in zip(holes.tolist(), step.seq_ids[row_of].tolist()):
+            token = self._tokens.get(seq_id)
+            if token is None:
+                raise FailedPrecondition(f"sequence {seq_id} sampled no single token in step {self.step_id}: "
+                                         "nothing to fill its placeholder with")
+            tokens[pos] = token
+        return dataclasses.replace(step, token_ids=tokens)
