@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "accepted too)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens each executor computes per step")
     p.add_argument("--max-running", type=int, default=64, help="sequences each executor runs per step")
+    p.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
+                   help="plan each step only after the previous one returned (default: the next step of an "
+                        "executor is planned and sent while its current one runs)")
     p.add_argument("--max-waiting", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
     p.add_argument("--max-n", type=int, default=8, help="largest n / beam_width accepted")
     p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
@@ -78,7 +81,7 @@ def config_from_args(args: argparse.Namespace):
                                              max_waiting=args.max_waiting, max_n=args.max_n, policy=args.policy,
                                              load_weight_tokens=args.load_weight_tokens,
                                              max_prompt_tokens=args.max_prompt_tokens,
-                                             step_timeout_s=args.step_timeout_s),
+                                             step_timeout_s=args.step_timeout_s, plan_ahead=args.plan_ahead),
                          http=http)
 
 

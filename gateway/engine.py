@@ -7,7 +7,7 @@ work, scheduled under a token budget with chunked prefill) + one
 stream what was sampled. Its parts: ``Executors`` (membership),
 ``RequestBook`` (requests in flight, aborts, endings), ``SequenceTable``
 (the live sequences and their changes), ``Scheduler`` (policy and budget),
-``wire`` (message builders), ``BeamSearch``; this module is only the loop. All state is mutated by the loop task alone; other
+``wire`` (message builders), ``RowBuilder`` (an executor's rows), ``BeamSearch``; this module is only the loop. All state is mutated by the loop task alone; other
 coroutines post work (new requests, aborts, executor changes) and wake it.
 """
 
@@ -29,7 +29,7 @@ from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
 from gateway.membership import Executors
 from gateway.outputs import Outbox
-from gateway.params import logit_bias_for
+from gateway.rows import RowBuilder
 from gateway.requests import RequestBook
 from gateway.scheduling import Scheduler, make_policy
 from gateway.sequences import SequenceTable
@@ -49,6 +49,9 @@ class EngineConfig:
     executor_refresh_s: float = 2.0
     load_weight_tokens: float = 16.0  # routing: one queued sequence costs this many prefix tokens
     max_prompt_tokens: int = 0       # longest prompt accepted; 0 = max_model_len - 1
+    # Plan each executor's next step while its current one runs, decodes fed
+    # with the executor's own samples (hides the Step and Execute round trips).
+    plan_ahead: bool = True
 
 
 @dataclass(slots=True)
@@ -60,6 +63,7 @@ class _Inflight:
     rows: list[wire.Row]
     sent: float        # perf_counter when sent
     step_start: float  # perf_counter when its step began
+    step_id: int = 0
 
 
 class Engine:
@@ -76,9 +80,12 @@ class Engine:
         self.requests = RequestBook(self.sequences, self.outbox, config.max_waiting)
         self.completions = Completions(self.sequences, self.requests, self.outbox, self.executors)
         self.beams = BeamSearch(self.completions)
+        self._row_builder = RowBuilder(self.beams, plan_ahead=config.plan_ahead)
         self._step_id = int(time.time() * 1000) << 8  # increasing across gateway restarts
         self._executor_updates: list[memory_pb2.ExecutorPoolInfo] | None = None
         self._inflight: list[_Inflight] = []  # oldest first
+        # Executes one executor may have in flight: a step planned ahead joins the running one.
+        self._depth = 2 if config.plan_ahead else 1
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -215,6 +222,8 @@ class Engine:
                 continue
             try:
                 await self._step()
+                if self._depth > 1 and self._inflight and self._has_work():
+                    await self._step()  # the next step of an executor now running one: planned ahead
                 if self._inflight:
                     await self._collect()
             except asyncio.CancelledError:
@@ -232,8 +241,10 @@ class Engine:
         self.requests.apply_aborts(asyncio.get_running_loop().time())
         self._wake.clear()  # what arrives from here on wakes the next round (see _collect)
         t0 = time.perf_counter()
-        busy = {call.ex.executor_id for call in self._inflight}
-        idle = [eid for eid in self.executors if eid not in busy]
+        running: dict[str, int] = {}
+        for call in self._inflight:
+            running[call.ex.executor_id] = running.get(call.ex.executor_id, 0) + 1
+        idle = [eid for eid in self.executors if running.get(eid, 0) < self._depth]
         batch = self.scheduler.schedule(self.sequences, idle)
         if not (batch or self.sequences.changes):
             self.outbox.flush()
@@ -242,7 +253,13 @@ class Engine:
             return
         self._step_id += 1
         changes = self.sequences.take_changes()
-        request = wire.step_request(self._step_id, changes, batch, self.executors.clients)
+        # Decodes fed with a token still being sampled: placeholders at the memory service.
+        pending = [s for s in batch.seqs if s.feed_ahead and not s.placeholders and s.num_computed == len(s.tokens)]
+        for s in pending:
+            s.placeholders += 1
+        metrics.ROWS_FED_AHEAD.inc(len(pending))
+        request = wire.step_request(self._step_id, changes, batch, self.executors.clients,
+                                    [s.seq_id for s in pending])
         try:
             plan = await self.memory.step(request, self.config.step_timeout_s)
         except Unavailable as exc:
@@ -270,9 +287,11 @@ class Engine:
             if ex is None or not ex.alive or not wire.has_work(ep):
                 continue
             rows = self._rows(ep)
-            task = asyncio.ensure_future(ex.execute(wire.execute_request(self._step_id, ex.incarnation, ep, rows),
-                                                    self.config.step_timeout_s))
-            self._inflight.append(_Inflight(ex, task, rows, time.perf_counter(), t0))
+            # The step running on this executor, whose samples fill this one's placeholders.
+            prev = next((c.step_id for c in reversed(self._inflight) if c.ex is ex), 0)
+            task = asyncio.ensure_future(ex.execute(
+                wire.execute_request(self._step_id, ex.incarnation, ep, rows, prev), self.config.step_timeout_s))
+            self._inflight.append(_Inflight(ex, task, rows, time.perf_counter(), t0, self._step_id))
         self.outbox.flush()  # the Execute calls go out first; the streams run during the forward
         metrics.STEP_SECONDS.labels("plan").observe(t_plan - t0)
         metrics.SCHEDULED_SEQS.observe(len(batch.seqs))
@@ -287,6 +306,7 @@ class Engine:
             seq = self.sequences.get(seq_id)
             if seq is None:
                 continue
+            seq.feed_ahead = False  # it runs again once its tokens are all known
             if swapped:
                 seq.status = SeqStatus.SWAPPED
             else:
@@ -295,39 +315,8 @@ class Engine:
             metrics.PREEMPTIONS.labels("swap" if swapped else "recompute").inc()
 
     def _rows(self, ep: common_pb2.ExecutorPlan) -> list[wire.Row]:
-        """The executor's rows: tokens to compute and how each samples. Marks
-        what the plan granted (admitted, running, computed through)."""
-        rows = []
-        seqs = self.sequences.seqs
-        for p in wire.plan_rows(ep, lambda seq_id: seqs[seq_id].num_computed):
-            seq = seqs[p.seq_id]
-            req = seq.request
-            if not req.admitted:
-                req.admitted = True
-                req.num_cached_tokens = p.cached
-            seq.status = SeqStatus.RUNNING
-            seq.num_computed = p.start + p.num_tokens
-            row = wire.Row(seq, p.start, seq.tokens[p.start:seq.num_computed])
-            spec = req.spec
-            if spec.penalized and p.started and p.start:
-                row.history = seq.tokens[:p.start]  # the executor keeps the rest (executor_service/history.py)
-            if seq.num_computed == len(seq.tokens):  # the last known token: its logits are wanted
-                if spec.beam_width > 1:
-                    row.num_top = self.beams.top_k(req)
-                else:
-                    if spec.n > 1 and not seq.sampled_first:
-                        row.num_samples = spec.n                      # the prompt once, n first tokens
-                        row.seeds = [req.seed + j for j in range(spec.n)]
-                        num_output = 0
-                    else:
-                        row.num_samples = 1
-                        row.seeds = [req.seed + seq.completion.index]
-                        num_output = len(seq.completion.output_ids)
-                    row.num_top = spec.top_logprobs
-                    if spec.processed:
-                        row.bias = logit_bias_for(spec, num_output, self.eos_ids)
-            rows.append(row)
-        return rows
+        return self._row_builder.rows(ep, self.sequences.seqs, max_model_len=self.executors.limits.max_model_len,
+                                      eos_ids=self.eos_ids)
 
     async def _collect(self) -> None:
         """Wait until an Execute returns (or new work wakes the loop: an idle
@@ -368,6 +357,11 @@ class Engine:
 
     def _apply_results(self, rows: list[wire.Row], resp: executor_pb2.ExecuteResponse) -> None:
         num_sampled = 0
+        for row in rows:
+            if row.num_samples:
+                row.seq.sampling -= 1
+                if not row.seq.sampling:
+                    row.seq.feed_ahead = False
         for result in wire.row_results(rows, resp):
             seq = result.row.seq
             if result.row.num_top and not result.row.num_samples:

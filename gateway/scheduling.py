@@ -73,7 +73,9 @@ class Scheduler:
     max_running: int = 64
 
     def schedule(self, seqs: Iterable[Seq], idle: Collection[str]) -> Batch:
-        """The work of the executors in ``idle`` (the others are still running a step)."""
+        """The work of the executors in ``idle`` (the others cannot take a step
+        now). A sequence whose next token a step in flight samples and that may
+        be fed ahead (``Seq.feed_ahead``) counts that token as its next to compute."""
         budget = dict.fromkeys(idle, self.max_batch_tokens)
         running = dict.fromkeys(idle, 0)
         open_executors = len(budget)
@@ -85,6 +87,8 @@ class Scheduler:
             if budget.get(eid, 0) <= 0:
                 continue
             remaining = len(s.tokens) - s.num_computed
+            if s.feed_ahead and s.status is SeqStatus.RUNNING:
+                remaining += 1  # the token being sampled, fed as a placeholder
             if remaining <= 0:
                 continue
             k = min(remaining, budget[eid])

@@ -24,7 +24,7 @@ class Changes:
     """What the next Step tells the memory service before scheduling."""
 
     forks: list[tuple[int, list[int]]] = field(default_factory=list)  # (parent, children), in order
-    appends: dict[int, int] = field(default_factory=dict)              # seq_id -> the token sampled for it
+    appends: dict[int, list[int]] = field(default_factory=dict)        # seq_id -> the tokens sampled for it
     free: list[int] = field(default_factory=list)                      # finished
     abort: list[int] = field(default_factory=list)                     # aborted, failed, pruned on error
 
@@ -78,7 +78,9 @@ class SequenceTable:
     def append(self, seq: Seq, token: int) -> None:
         """A sampled token joins the sequence (and the memory service's copy next Step)."""
         seq.tokens.append(token)
-        self.changes.appends[seq.seq_id] = token
+        self.changes.appends.setdefault(seq.seq_id, []).append(token)
+        if seq.placeholders:  # at the memory service it replaces the placeholder it held for this token
+            seq.placeholders -= 1
 
     def release(self, seq: Seq, abort: bool = False) -> None:
         """Forget a sequence; the memory service frees it in the next Step."""

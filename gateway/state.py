@@ -94,3 +94,7 @@ class Seq:
     status: SeqStatus = SeqStatus.WAITING
     created: bool = False               # exists in the memory service
     sampled_first: bool = False         # n > 1: the first sample fans out into forks
+    # Planning ahead (docs/architecture.md, "Steps planned ahead"):
+    sampling: int = 0                   # rows in flight that sample its next token (results not applied yet)
+    feed_ahead: bool = False            # the one in flight samples one token that a step planned now may feed
+    placeholders: int = 0               # tokens the memory service holds placeholders for (replaced by appends)

@@ -23,6 +23,8 @@ from gateway.state import Seq
 # Seeds travel as int64: a client's uint64 seed (+ completion index) is taken
 # modulo 2**63 (an unmasked 2**63 overflowed the step and failed every request).
 SEED_MASK = (1 << 63) - 1
+# An input token the executor fills in with its own sample of step prev_step_id.
+PLACEHOLDER = -1
 
 
 # ---- the Step ---------------------------------------------------------------------------
@@ -42,18 +44,28 @@ def new_sequence(seq: Seq, ex: ExecutorClient) -> memory_pb2.NewSequence:
 
 
 def step_request(step_id: int, changes: Changes, batch: Batch,
-                 executors: dict[str, ExecutorClient]) -> memory_pb2.StepRequest:
+                 executors: dict[str, ExecutorClient], pending: list[int] = ()) -> memory_pb2.StepRequest:
+    """``pending``: sequences whose next token a step in flight is sampling
+    and that this step feeds (placeholders at the memory service)."""
     app = list(changes.appends)
     appended = None
     if app:
-        appended = common_pb2.TokenBatch(seq_ids=pack_i64(app), offsets=pack_i32(range(len(app) + 1)),
-                                         token_ids=pack_i32(changes.appends[s] for s in app))
+        toks = [changes.appends[s] for s in app]
+        if all(len(t) == 1 for t in toks):
+            offsets, flat = range(len(app) + 1), (t[0] for t in toks)
+        else:  # a sequence whose results of two steps came in before a Step (planned ahead)
+            offsets = [0]
+            for t in toks:
+                offsets.append(offsets[-1] + len(t))
+            flat = (x for t in toks for x in t)
+        appended = common_pb2.TokenBatch(seq_ids=pack_i64(app), offsets=pack_i32(offsets), token_ids=pack_i32(flat))
     return memory_pb2.StepRequest(
         step_id=step_id, appended=appended,
         forks=[common_pb2.ForkOp(parent_seq_id=p, child_seq_ids=c) for p, c in changes.forks],
         free_seq_ids=pack_i64(changes.free), abort_seq_ids=pack_i64(changes.abort),
         new_sequences=[new_sequence(s, executors[s.executor_id]) for s in batch.new],
-        schedule_seq_ids=pack_i64(s.seq_id for s in batch.seqs), schedule_num_tokens=pack_i32(batch.num_tokens))
+        schedule_seq_ids=pack_i64(s.seq_id for s in batch.seqs), schedule_num_tokens=pack_i32(batch.num_tokens),
+        pending_seq_ids=pack_i64(pending))
 
 
 # ---- the plan ---------------------------------------------------------------------------
@@ -134,7 +146,7 @@ class Row:
 
 
 def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPlan,
-                    rows: list[Row]) -> executor_pb2.ExecuteRequest:
+                    rows: list[Row], prev_step_id: int = 0) -> executor_pb2.ExecuteRequest:
     """The executor's part of the plan (passed through untouched: rows, table
     changes, cache ops), with token ids, context lengths and sampling added."""
     tokens, starts = array("i"), array("i")
@@ -161,7 +173,8 @@ def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPla
         _add_processing(sampling, rows)
     return executor_pb2.ExecuteRequest(
         step_id=step_id, incarnation=incarnation, plan=plan, context_lens=array_bytes(starts),
-        token_ids=array_bytes(tokens), sampling=sampling)
+        token_ids=array_bytes(tokens), sampling=sampling,
+        prev_step_id=prev_step_id if PLACEHOLDER in tokens else 0)
 
 
 def _add_processing(sampling: executor_pb2.SamplingBatch, rows: list[Row]) -> None:
