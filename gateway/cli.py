@@ -48,6 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with UNAVAILABLE after this long)")
     p.add_argument("--max-message-bytes", type=int, default=16 * 2**20,
                    help="largest request or response message (larger: RESOURCE_EXHAUSTED)")
+    caps = p.add_argument_group("what one request may ask (docs/security.md, Limits)")
+    caps.add_argument("--max-prompt-bytes", type=int, default=0,
+                      help="UTF-8 bytes of a text prompt, checked before tokenizing (default 0: 16 per token of "
+                           "the prompt limit, at least 64 KiB)")
+    caps.add_argument("--max-stop-strings", type=int, default=64, help="stop strings per request")
+    caps.add_argument("--max-stop-bytes", type=int, default=4096, help="UTF-8 bytes of a request's stop strings")
+    caps.add_argument("--max-stop-token-ids", type=int, default=1024, help="stop token ids per request")
+    caps.add_argument("--max-cache-salt-bytes", type=int, default=256, help="UTF-8 bytes of a cache_salt")
+    caps.add_argument("--max-request-id-chars", type=int, default=128,
+                      help="characters of a client's request_id (printable only)")
+    p.add_argument("--executor-info-timeout-s", type=float, default=2.0,
+                   help="deadline of an executor's GetInfo when it joins (then retried with backoff)")
     p.add_argument("--grace-s", type=float, default=5.0)
     p.add_argument("--log-level", default="INFO")
     from kvpager.security import add_security_arguments
@@ -61,6 +73,7 @@ def config_from_args(args: argparse.Namespace):
 
     from gateway.engine import EngineConfig
     from gateway.http.server import HttpConfig
+    from gateway.params import RequestCaps
     from gateway.service import GatewayConfig
 
     from kvpager.security import security_from_args
@@ -68,6 +81,14 @@ def config_from_args(args: argparse.Namespace):
     security = security_from_args(args)
     if args.chat_template is not None and not Path(args.chat_template).is_file():
         raise ValueError(f"--chat-template {args.chat_template}: no such file")
+    caps = RequestCaps(max_prompt_bytes=args.max_prompt_bytes, max_stop_strings=args.max_stop_strings,
+                       max_stop_bytes=args.max_stop_bytes, max_stop_token_ids=args.max_stop_token_ids,
+                       max_cache_salt_bytes=args.max_cache_salt_bytes,
+                       max_request_id_chars=args.max_request_id_chars)
+    for name in ("max_prompt_bytes", "max_stop_strings", "max_stop_bytes", "max_stop_token_ids",
+                 "max_cache_salt_bytes", "max_request_id_chars"):
+        if getattr(caps, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     http = None if args.no_http else HttpConfig(
         host=args.http_host or args.host, port=args.http_port, served_model_name=args.served_model_name or "",
         chat_template=args.chat_template, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
@@ -81,7 +102,9 @@ def config_from_args(args: argparse.Namespace):
                                              max_waiting=args.max_waiting, max_n=args.max_n, policy=args.policy,
                                              load_weight_tokens=args.load_weight_tokens,
                                              max_prompt_tokens=args.max_prompt_tokens,
-                                             step_timeout_s=args.step_timeout_s, plan_ahead=args.plan_ahead),
+                                             step_timeout_s=args.step_timeout_s, plan_ahead=args.plan_ahead,
+                                             executor_info_timeout_s=args.executor_info_timeout_s,
+                                             caps=caps),
                          http=http)
 
 

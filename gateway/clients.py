@@ -80,9 +80,9 @@ class ExecutorClient:
         self.info: executor_pb2.ExecutorInfo | None = None
         self.alive = True
 
-    async def load_info(self) -> executor_pb2.ExecutorInfo:
+    async def load_info(self, timeout_s: float = 2.0) -> executor_pb2.ExecutorInfo:
         try:
-            self.info = await self.stub.GetInfo(executor_pb2.GetInfoRequest(), timeout=10.0)
+            self.info = await self.stub.GetInfo(executor_pb2.GetInfoRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise _domain(exc, f"executor {self.executor_id} at {self.address}") from None
         return self.info

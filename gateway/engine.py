@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpager.errors import FailedPrecondition, Internal, KvpagerError, NotFound, Unavailable
 from kvpager.prefix_index.hashing import PromptChain
 from kvpager.seq_status import SeqStatus
+from kvpager.log_limits import LogLimiter, clip
 from kvpager.telemetry import get_logger
 from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
 from gateway import metrics, wire
@@ -29,6 +30,7 @@ from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
 from gateway.membership import Executors
 from gateway.outputs import Outbox
+from gateway.params import RequestCaps
 from gateway.rows import RowBuilder
 from gateway.requests import RequestBook
 from gateway.scheduling import Scheduler, make_policy
@@ -47,11 +49,13 @@ class EngineConfig:
     policy: str = "fcfs"             # a gateway.scheduling policy name: "fcfs" | "priority"
     step_timeout_s: float = 120.0
     executor_refresh_s: float = 2.0
+    executor_info_timeout_s: float = 2.0  # an executor's GetInfo when it joins (then retried with backoff)
     load_weight_tokens: float = 16.0  # routing: one queued sequence costs this many prefix tokens
     max_prompt_tokens: int = 0       # longest prompt accepted; 0 = max_model_len - 1
     # Plan each executor's next step while its current one runs, decodes fed
     # with the executor's own samples (hides the Step and Execute round trips).
     plan_ahead: bool = True
+    caps: RequestCaps = field(default_factory=RequestCaps)  # what one request may ask (docs/security.md)
 
 
 @dataclass(slots=True)
@@ -72,8 +76,10 @@ class Engine:
         self.config = config
         self.memory = memory
         self.tokenizer = tokenizer
+        self._wake = asyncio.Event()
         self.executors = Executors(memory, max_n=config.max_n, max_prompt_tokens=config.max_prompt_tokens,
-                                   tls=executor_tls, token=executor_token)
+                                   tls=executor_tls, token=executor_token, caps=config.caps,
+                                   info_timeout_s=config.executor_info_timeout_s, on_join=self._wake.set)
         self.scheduler = Scheduler(make_policy(config.policy), config.max_batch_tokens, config.max_running)
         self.sequences = SequenceTable()
         self.outbox = Outbox()
@@ -82,11 +88,10 @@ class Engine:
         self.beams = BeamSearch(self.completions)
         self._row_builder = RowBuilder(self.beams, plan_ahead=config.plan_ahead)
         self._step_id = int(time.time() * 1000) << 8  # increasing across gateway restarts
-        self._executor_updates: list[memory_pb2.ExecutorPoolInfo] | None = None
+        self._refresh_now = asyncio.Event()
         self._inflight: list[_Inflight] = []  # oldest first
         # Executes one executor may have in flight: a step planned ahead joins the running one.
         self._depth = 2 if config.plan_ahead else 1
-        self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
@@ -118,7 +123,9 @@ class Engine:
 
     async def start(self) -> None:
         try:
-            await self._apply_executor_list(await self.memory.list_executors())
+            self.executors.listed(await self.memory.list_executors())
+            await self.executors.wait_joins()
+            self._apply_executor_list()
         except KvpagerError as exc:
             log.warning("memory service not reachable yet", error=exc.message)
         loop = asyncio.get_running_loop()
@@ -145,16 +152,23 @@ class Engine:
     # ---- executors ------------------------------------------------------------
 
     async def _refresh(self) -> None:
+        """The registry, re-read off the loop: joins run in their own tasks, and
+        the loop applies a listing (and finished joins) without waiting."""
+        warnings = LogLimiter(30.0)
         while not self._stopping:
-            await asyncio.sleep(self.config.executor_refresh_s)
             try:
-                self._executor_updates = await self.memory.list_executors()
+                await asyncio.wait_for(self._refresh_now.wait(), self.config.executor_refresh_s)
+            except asyncio.TimeoutError:
+                pass
+            self._refresh_now.clear()
+            try:
+                self.executors.listed(await self.memory.list_executors())
                 self._wake.set()
             except KvpagerError as exc:
-                log.warning("executor refresh failed", error=exc.message)
+                warnings.log(log.warning, "refresh", "executor refresh failed", error=clip(exc.message))
 
-    async def _apply_executor_list(self, pools: list[memory_pb2.ExecutorPoolInfo]) -> None:
-        for ex in await self.executors.apply(pools):
+    def _apply_executor_list(self) -> None:
+        for ex in self.executors.apply():
             self._lose_executor(ex, Unavailable(f"executor {ex.executor_id} left or restarted"), deregister=False)
 
     def _lose_executor(self, ex: ExecutorClient, error: KvpagerError, deregister: bool) -> None:
@@ -174,9 +188,9 @@ class Engine:
 
     def new_request(self, request_id: str, prompt_ids: list[int], spec, *, seed: int | None, priority: int,
                     cache_salt: str, deadline: float | None, skip_special_tokens: bool,
-                    chain: PromptChain | None = None) -> Request:
+                    chain: PromptChain | None = None, owner: str = "") -> Request:
         return self.requests.new(request_id, prompt_ids, spec, seed=seed, priority=priority, cache_salt=cache_salt,
-                                 deadline=deadline, skip_special_tokens=skip_special_tokens, chain=chain)
+                                 deadline=deadline, skip_special_tokens=skip_special_tokens, chain=chain, owner=owner)
 
     async def submit(self, req: Request, executor_id: str) -> None:
         """Admit a validated request to the loop (it is allocated nothing yet)."""
@@ -194,9 +208,11 @@ class Engine:
                 raise item
             yield item
 
-    def abort(self, request_id: str, error: KvpagerError | None = None) -> bool:
-        """Cancel a request; its blocks are released in the next step."""
-        if not self.requests.abort(request_id, error):
+    def abort(self, request_id: str, owner: str = "", error: KvpagerError | None = None) -> bool:
+        """Cancel ``owner``'s request ``request_id``; its blocks are released in
+        the next step. False when the owner has no such request (another
+        owner's is not found either)."""
+        if not self.requests.abort((owner, request_id), error):
             return False
         self._wake.set()
         return True
@@ -205,7 +221,7 @@ class Engine:
 
     def _has_work(self) -> bool:
         return bool(self.sequences.seqs or self.sequences.changes or self.requests.aborts_pending
-                    or self._executor_updates is not None)
+                    or self.executors.has_updates)
 
     async def _run(self) -> None:
         """Executors are not stepped in lockstep: each Step plans for the
@@ -235,9 +251,8 @@ class Engine:
             await asyncio.sleep(0)  # let new requests run between steps
 
     async def _step(self) -> None:
-        if self._executor_updates is not None:
-            updates, self._executor_updates = self._executor_updates, None
-            await self._apply_executor_list(updates)
+        if self.executors.has_updates:
+            self._apply_executor_list()
         self.requests.apply_aborts(asyncio.get_running_loop().time())
         self._wake.clear()  # what arrives from here on wakes the next round (see _collect)
         t0 = time.perf_counter()
@@ -272,10 +287,7 @@ class Engine:
             # re-registering. Retryable for clients; re-read the executors before routing again.
             log.warning("memory service state diverged from the gateway's; resetting", error=exc.message)
             await self._reset(Unavailable(f"serving state was reset ({exc.message}); retry"), release=True)
-            try:
-                await self._apply_executor_list(await self.memory.list_executors())
-            except KvpagerError:
-                pass
+            self._refresh_now.set()  # re-read the executors now (off the loop)
             self.outbox.flush()
             return
         for seq in batch.new:

@@ -8,13 +8,15 @@ API maps them to its own statuses) and share one engine. No grpc here.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvpager.errors import InvalidArgument, Unavailable
 from kvpager.prefix_index.hashing import PromptChain
-from gateway.params import RawParams, validate, validate_token_ids
+from gateway.params import RawParams, RequestCaps, validate, validate_token_ids
 from gateway.state import Output, Request
 
 
@@ -25,6 +27,7 @@ class Submission:
     prompt_ids: list[int]
     params: RawParams
     request_id: str = ""               # generated when empty
+    owner: str = ""                    # who may abort it and whose ids it may not collide with
     priority: int = 0
     cache_salt: str = ""
     deadline: float | None = None      # event-loop time; None = none
@@ -36,13 +39,39 @@ class Frontend:
         self.engine = engine
         self.router = router
         self.tokenizer = tokenizer
+        # Tokenizing (and rendering chat templates) runs here, off the event loop
+        # every stream shares: one thread, so the tokenizer is never used concurrently.
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    @property
+    def caps(self) -> RequestCaps:
+        return self.engine.config.caps
+
+    def close(self) -> None:
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
 
     def check_ready(self) -> None:
         if not self.engine.ready:
             raise Unavailable("no executor is serving", retry_after_s=1.0)
 
-    def prompt_ids(self, text: str | None, token_ids: list[int] | None,
-                   add_special_tokens: bool = True) -> list[int]:
+    def check_text_bytes(self, size: int, param: str = "prompt") -> None:
+        """A text prompt of ``size`` UTF-8 bytes may be tokenized (checked before any work)."""
+        limit = self.caps.prompt_bytes(self.engine.limits.prompt_token_limit)
+        if size > limit:
+            raise InvalidArgument(f"the prompt text is {size} bytes; the limit is {limit} (max_prompt_bytes)",
+                                  param=param)
+
+    async def off_loop(self, fn: Callable, *args, **kwargs):
+        """Run ``fn`` in the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, lambda: fn(*args, **kwargs))
+
+    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Tokenize a text prompt, its size checked first."""
+        self.check_text_bytes(len(text.encode("utf-8", "surrogatepass")), param)
+        return await self.off_loop(lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def prompt_ids(self, text: str | None, token_ids: list[int] | None,
+                         add_special_tokens: bool = True) -> list[int]:
         """Exactly one of text and token ids; ids are checked against the vocabulary."""
         if text and token_ids:
             raise InvalidArgument("give either prompt or prompt_token_ids, not both", param="prompt")
@@ -51,19 +80,30 @@ class Frontend:
             return list(token_ids)
         if not text:
             raise InvalidArgument("prompt is empty", param="prompt")
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return await self.encode(text, add_special_tokens)
+
+    def check_ids(self, request_id: str, cache_salt: str) -> None:
+        caps = self.caps
+        if len(request_id) > caps.max_request_id_chars or not request_id.isprintable():
+            raise InvalidArgument(f"request_id must be at most {caps.max_request_id_chars} printable characters "
+                                  "(max_request_id_chars)", param="request_id")
+        salt = len(cache_salt.encode("utf-8", "surrogatepass"))
+        if salt > caps.max_cache_salt_bytes:
+            raise InvalidArgument(f"cache_salt is {salt} bytes; the limit is {caps.max_cache_salt_bytes} "
+                                  "(max_cache_salt_bytes)", param="cache_salt")
 
     async def submit(self, sub: Submission) -> Request:
         """Validate and admit (nothing is allocated before every check passed)."""
         self.check_ready()
         engine = self.engine
+        self.check_ids(sub.request_id, sub.cache_salt)
         spec = validate(sub.params, len(sub.prompt_ids), engine.limits)
         request_id = sub.request_id or uuid.uuid4().hex
         chain = PromptChain(sub.prompt_ids, sub.cache_salt)  # block hashes: once, for routing and admission
         executor_id = await self.router.choose(sub.prompt_ids, sub.cache_salt, sub.deadline, chain)
         req = engine.new_request(request_id, sub.prompt_ids, spec, seed=spec.seed, priority=sub.priority,
                                  cache_salt=sub.cache_salt, deadline=sub.deadline,
-                                 skip_special_tokens=sub.skip_special_tokens, chain=chain)
+                                 skip_special_tokens=sub.skip_special_tokens, chain=chain, owner=sub.owner)
         await engine.submit(req, executor_id)
         return req
 
@@ -74,4 +114,4 @@ class Frontend:
     def release(self, req: Request) -> None:
         """The client is gone (or stopped reading): abort, its blocks are freed in the next step."""
         if not req.done:
-            self.engine.abort(req.request_id)
+            self.engine.abort(req.request_id, req.owner)

@@ -28,9 +28,8 @@ def accept_token(req: Request, comp: Completion, token: int, logprob: float | No
     else:
         comp.detok.add([token])
         if spec.stop and n_out > spec.min_tokens:
-            longest = max(len(s) for s in spec.stop)
             text = comp.detok.text
-            start = max(0, comp.sent_text - longest)
+            start = max(0, comp.sent_text - spec.stop_max_chars)
             hits = [p for p in (text.find(s, start) for s in spec.stop) if p >= 0]
             if hits:
                 comp.stop_text_end = min(hits)
@@ -47,7 +46,7 @@ def take_output(req: Request, comp: Completion) -> Output | None:
     if comp.finish is not Finish.NONE:
         end = comp.stop_text_end if comp.stop_text_end is not None else len(text)
     else:
-        hold = max((len(s) for s in req.spec.stop), default=1) - 1  # could still become a stop string
+        hold = max(req.spec.stop_max_chars - 1, 0)  # could still become a stop string
         end = max(comp.sent_text, len(text) - hold)
     new_tokens = comp.output_ids[comp.sent_tokens:]
     delta = text[comp.sent_text:end]

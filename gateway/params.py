@@ -21,11 +21,40 @@ MAX_ABS_BIAS = 100.0
 
 
 @dataclass(slots=True, frozen=True)
+class RequestCaps:
+    """What one request may ask of the gateway, checked before the work it
+    would cause (docs/security.md, "Limits"; each is a gateway flag).
+    Stop strings are matched at every sampled token and stop token ids
+    looked up at every one: both are bounded so that one request cannot slow
+    the engine loop every other stream shares."""
+
+    max_prompt_bytes: int = 0          # UTF-8 bytes of a text prompt; 0 = 16 per token of the prompt limit
+    max_stop_strings: int = 64
+    max_stop_bytes: int = 4096         # all stop strings together, UTF-8
+    max_stop_token_ids: int = 1024
+    max_cache_salt_bytes: int = 256
+    max_request_id_chars: int = 128    # printable characters
+
+    def prompt_bytes(self, max_prompt_tokens: int) -> int:
+        """The byte limit of a text prompt when the prompt limit is ``max_prompt_tokens`` tokens."""
+        return self.max_prompt_bytes or max(BYTES_PER_PROMPT_TOKEN * max_prompt_tokens, 65536)
+
+
+# A token is rarely over a few bytes of text; 16 leaves room for any script.
+BYTES_PER_PROMPT_TOKEN = 16
+
+
+@dataclass(slots=True, frozen=True)
 class Limits:
     max_model_len: int          # context limit (tokens)
     vocab_size: int
     max_n: int = 8
     max_prompt_tokens: int = 0  # 0 = max_model_len - 1
+    caps: RequestCaps = RequestCaps()
+
+    @property
+    def prompt_token_limit(self) -> int:
+        return min(self.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,7 +66,8 @@ class SamplingSpec:
     seed: int | None = None
     n: int = 1
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()  # a set: looked up at every sampled token
+    stop_max_chars: int = 0     # the longest stop string (the text held back while it might still match)
     ignore_eos: bool = False
     beam_width: int = 1
     length_penalty: float = 1.0
@@ -118,13 +148,33 @@ def _check_processing(raw: RawParams, limits: Limits) -> dict:
                 top_logprobs=raw.top_logprobs, penalized=penalized)
 
 
+def _check_stops(raw: RawParams, limits: Limits) -> tuple[tuple[str, ...], frozenset[int]]:
+    """Stop strings and stop token ids, counted before they are looked at."""
+    caps = limits.caps
+    if len(raw.stop) > caps.max_stop_strings:
+        raise _bad(f"stop has {len(raw.stop)} strings; the limit is {caps.max_stop_strings} (max_stop_strings)",
+                   "stop")
+    stop = tuple(raw.stop)
+    if any(s == "" for s in stop):
+        raise _bad("stop strings must not be empty", "stop")
+    size = sum(len(s.encode("utf-8", "surrogatepass")) for s in stop)
+    if size > caps.max_stop_bytes:
+        raise _bad(f"stop strings take {size} bytes; the limit is {caps.max_stop_bytes} (max_stop_bytes)", "stop")
+    if len(raw.stop_token_ids) > caps.max_stop_token_ids:
+        raise _bad(f"stop_token_ids has {len(raw.stop_token_ids)} ids; the limit is {caps.max_stop_token_ids} "
+                   "(max_stop_token_ids)", "stop_token_ids")
+    ids = frozenset(raw.stop_token_ids)
+    if ids and not (0 <= min(ids) and max(ids) < limits.vocab_size):
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise _bad(f"stop token id {bad} is outside the vocabulary (size {limits.vocab_size})", "stop_token_ids")
+    return stop, ids
+
+
 def validate(raw: RawParams, prompt_len: int, limits: Limits) -> SamplingSpec:
     if prompt_len == 0:
         raise _bad("prompt is empty", "prompt")
-    max_prompt = limits.max_prompt_tokens or limits.max_model_len - 1
-    if prompt_len >= limits.max_model_len or prompt_len > max_prompt:
-        raise _bad(f"prompt has {prompt_len} tokens; the limit is {min(max_prompt, limits.max_model_len - 1)}",
-                   "prompt")
+    if prompt_len > limits.prompt_token_limit:
+        raise _bad(f"prompt has {prompt_len} tokens; the limit is {limits.prompt_token_limit}", "prompt")
     max_tokens = limits.max_model_len - prompt_len if raw.max_tokens is None else raw.max_tokens
     if max_tokens < 1:
         raise _bad("max_tokens must be >= 1", "max_tokens")
@@ -154,12 +204,7 @@ def validate(raw: RawParams, prompt_len: int, limits: Limits) -> SamplingSpec:
     if not math.isfinite(length_penalty) or abs(length_penalty) > MAX_LENGTH_PENALTY:
         raise _bad(f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
                    f"got {raw.length_penalty}", "length_penalty")
-    for s in raw.stop:
-        if s == "":
-            raise _bad("stop strings must not be empty", "stop")
-    for t in raw.stop_token_ids:
-        if not 0 <= t < limits.vocab_size:
-            raise _bad(f"stop token id {t} is outside the vocabulary (size {limits.vocab_size})", "stop_token_ids")
+    stop, stop_token_ids = _check_stops(raw, limits)
     if raw.min_tokens < 0:
         raise _bad(f"min_tokens must be >= 0, got {raw.min_tokens}", "min_tokens")
     if raw.min_tokens > max_tokens:
@@ -173,7 +218,8 @@ def validate(raw: RawParams, prompt_len: int, limits: Limits) -> SamplingSpec:
     processed = bool(extra["penalized"] or extra["min_p"] or extra["logit_bias"] or raw.min_tokens)
     return SamplingSpec(max_tokens=max_tokens, temperature=float(raw.temperature), top_p=float(top_p),
                         top_k=-1 if raw.top_k in (0, -1) else raw.top_k, seed=raw.seed, n=n,
-                        stop=tuple(raw.stop), stop_token_ids=tuple(raw.stop_token_ids), ignore_eos=raw.ignore_eos,
+                        stop=stop, stop_token_ids=stop_token_ids, stop_max_chars=max(map(len, stop), default=0),
+                        ignore_eos=raw.ignore_eos,
                         beam_width=beam, length_penalty=float(length_penalty), min_tokens=raw.min_tokens,
                         logprobs=raw.logprobs > 0 or raw.top_logprobs > 0, processed=processed, **extra)
 
@@ -190,7 +236,7 @@ def logit_bias_for(spec: SamplingSpec, num_output: int, eos_ids: frozenset[int])
     masked (-inf), as vLLM's min_tokens does."""
     if num_output >= spec.min_tokens:
         return spec.logit_bias
-    stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else set(eos_ids))
+    stops = spec.stop_token_ids | (frozenset() if spec.ignore_eos else eos_ids)
     if not stops:
         return spec.logit_bias
     bias = dict(spec.logit_bias)

@@ -6,6 +6,11 @@ client cancel, ``Abort``, or its deadline: the completions end ABORT) or
 failed with an error. Ending releases its sequences (the memory service
 frees them in the next Step) and closes its stream through the outbox.
 Mutated only by the engine loop (``abort`` only records the wish).
+
+Requests belong to their caller (``Request.owner``: the authenticated
+principal, or the connection without authentication): request ids are
+unique per owner, and an owner can abort only its own requests; to anyone
+else an id in use is as unknown as any other.
 """
 
 from __future__ import annotations
@@ -27,31 +32,32 @@ class RequestBook:
         self.sequences = sequences
         self.outbox = outbox
         self.max_waiting = max_waiting
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[tuple[str, str], Request] = {}  # (owner, request id) -> request
         self._arrivals = itertools.count()
-        self._aborts: dict[str, KvpagerError | None] = {}  # request id -> its error (None: a plain abort)
+        self._aborts: dict[tuple[str, str], KvpagerError | None] = {}  # request key -> its error (None: plain abort)
 
     def __len__(self) -> int:
         return len(self.requests)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.requests
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self.requests
 
     def values(self):
         return self.requests.values()
 
     def new(self, request_id: str, prompt_ids: list[int], spec, *, seed: int | None, priority: int,
             cache_salt: str, deadline: float | None, skip_special_tokens: bool,
-            chain: PromptChain | None = None) -> Request:
+            chain: PromptChain | None = None, owner: str = "") -> Request:
         return Request(request_id, prompt_ids, spec, seed if seed is not None else random.getrandbits(62),
                        priority=priority, cache_salt=cache_salt, arrival=next(self._arrivals), deadline=deadline,
                        skip_special_tokens=skip_special_tokens,
-                       chain=chain if chain is not None else PromptChain(prompt_ids, cache_salt))
+                       chain=chain if chain is not None else PromptChain(prompt_ids, cache_salt), owner=owner)
 
     def admit(self, req: Request, executor_id: str, tokenizer):
         """Take a validated request (nothing is allocated yet); returns its first sequence."""
-        if req.request_id in self.requests:
-            raise AlreadyExists(f"request id {req.request_id!r} is in use")
+        if req.key in self.requests:  # only ever the caller's own request
+            raise AlreadyExists(f"request id {req.request_id!r} is in use by another of your requests",
+                                param="request_id")
         if len(self.requests) >= self.max_waiting:
             raise ResourceExhausted(f"{len(self.requests)} requests in flight; the limit is {self.max_waiting}",
                                     retry_after_s=1.0)
@@ -59,17 +65,18 @@ class RequestBook:
         req.completions = [Completion(i, IncrementalDetokenizer(tokenizer, req.prompt_ids, req.skip_special_tokens))
                            for i in range(req.spec.num_completions)]
         seq = self.sequences.start(req, None if req.spec.beam_width > 1 else req.completions[0])
-        self.requests[req.request_id] = req
+        self.requests[req.key] = req
         metrics.REQUESTS_RUNNING.set(len(self.requests))
         return seq
 
     # ---- aborts --------------------------------------------------------------------
 
-    def abort(self, request_id: str, error: KvpagerError | None = None) -> bool:
-        """Ask for a request to end (applied by the loop, before its next Step)."""
-        if request_id not in self.requests:
+    def abort(self, key: tuple[str, str], error: KvpagerError | None = None) -> bool:
+        """Ask for a request (by ``Request.key``) to end (applied by the loop,
+        before its next Step). False: the owner has no request of that id."""
+        if key not in self.requests:
             return False
-        self._aborts[request_id] = error
+        self._aborts[key] = error
         return True
 
     @property
@@ -79,11 +86,11 @@ class RequestBook:
     def apply_aborts(self, now: float) -> None:
         """End the requests asked to end, and those past their deadline (loop time ``now``)."""
         for req in self.requests.values():
-            if req.deadline is not None and now > req.deadline and req.request_id not in self._aborts:
-                self._aborts[req.request_id] = DeadlineExceeded("request deadline passed")
+            if req.deadline is not None and now > req.deadline and req.key not in self._aborts:
+                self._aborts[req.key] = DeadlineExceeded("request deadline passed")
         aborts, self._aborts = self._aborts, {}
-        for request_id, error in aborts.items():
-            req = self.requests.get(request_id)
+        for key, error in aborts.items():
+            req = self.requests.get(key)
             if req is None:
                 continue
             if error is None:
@@ -124,7 +131,7 @@ class RequestBook:
 
     def _close(self, req: Request, last_item, outcome: str) -> None:
         req.done = True
-        self.requests.pop(req.request_id, None)
+        self.requests.pop(req.key, None)
         self.outbox.emit(req, last_item)
         metrics.REQUESTS_RUNNING.set(len(self.requests))
         metrics.REQUESTS_FINISHED.labels(outcome).inc()

@@ -63,8 +63,10 @@ class GatewayServer:
                                       metrics_port=config.metrics_port, grace_s=config.grace_s,
                                       max_message_bytes=config.max_message_bytes, tls=config.tls,
                                       auth=token_auth(config.auth_token))
-        servicer = GatewayServicer(self.engine, self.router, self.tokenizer)
+        servicer = GatewayServicer(self.engine, self.router, self.tokenizer,
+                                   token_required=bool(config.auth_token))
         self.runtime.add(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)
+        self.frontend = servicer.frontend
         self.http_context = None  # the HTTP routes' view of the gateway (gateway.http.app.HttpContext)
         self.http = self._http_server(servicer.frontend) if config.http is not None else None
         self._watch: asyncio.Task | None = None
@@ -135,6 +137,7 @@ class GatewayServer:
             stops.append(self.http.stop(grace_s))
         await asyncio.gather(*stops)
         await self.engine.stop()
+        self.frontend.close()
         await self.memory.close()
 
     async def serve_until_signal(self) -> None:

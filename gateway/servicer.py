@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from kvpager.auth import principal
 from kvpager.errors import Unavailable
 from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway.frontend import Frontend, Submission
@@ -14,10 +15,11 @@ from gateway.state import Output
 
 
 def raw_params(sp: common_pb2.SamplingParams) -> RawParams:
-    """proto3 zeros mean unset: max_tokens 0 is the rest of the context, repetition_penalty 0 is off."""
+    """proto3 zeros mean unset: max_tokens 0 is the rest of the context, repetition_penalty 0 is off.
+    Stop strings and ids stay the message's containers: validation counts them before copying."""
     return RawParams(max_tokens=sp.max_tokens or None, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                     seed=sp.seed if sp.HasField("seed") else None, n=sp.n, stop=list(sp.stop),
-                     stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos, beam_width=sp.beam_width,
+                     seed=sp.seed if sp.HasField("seed") else None, n=sp.n, stop=sp.stop,
+                     stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, beam_width=sp.beam_width,
                      length_penalty=sp.length_penalty, min_tokens=sp.min_tokens, logprobs=sp.logprobs,
                      top_logprobs=sp.top_logprobs, presence_penalty=sp.presence_penalty,
                      frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty or None,
@@ -38,18 +40,22 @@ def response(request_id: str, out: Output) -> gateway_pb2.GenerateResponse:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, engine, router, tokenizer, max_request_tokens: int = 0) -> None:
+    def __init__(self, engine, router, tokenizer, *, token_required: bool = False) -> None:
         self.engine = engine
         self.frontend = Frontend(engine, router, tokenizer)
+        self.token_required = token_required  # the caller's principal: see kvpager.auth.principal
 
     async def Generate(self, request, context):
         frontend = self.frontend
         frontend.check_ready()
-        prompt_ids = frontend.prompt_ids(request.prompt, list(request.prompt_token_ids))
+        frontend.check_ids(request.request_id, request.cache_salt)
+        prompt_ids = await frontend.prompt_ids(request.prompt, list(request.prompt_token_ids))
         remaining = context.time_remaining()
         deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
         req = await frontend.submit(Submission(prompt_ids, raw_params(request.sampling_params),
-                                               request_id=request.request_id, priority=request.priority,
+                                               request_id=request.request_id,
+                                               owner=principal(context, self.token_required),
+                                               priority=request.priority,
                                                cache_salt=request.cache_salt, deadline=deadline,
                                                skip_special_tokens=request.skip_special_tokens))
         try:
@@ -59,7 +65,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             frontend.release(req)
 
     async def Abort(self, request, context):
-        return gateway_pb2.AbortResponse(found=self.engine.abort(request.request_id))
+        return gateway_pb2.AbortResponse(
+            found=self.engine.abort(request.request_id, principal(context, self.token_required)))
 
     async def GetModelInfo(self, request, context):
         engine = self.engine

@@ -76,6 +76,11 @@ class Request:
     done: bool = False
     beam: object | None = None          # BeamState for beam search
     chain: PromptChain | None = None    # the prompt's block hashes per namespace (routing, admission)
+    owner: str = ""                     # the caller: only it may abort the request; ids are unique per owner
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.owner, self.request_id
 
     def usage(self) -> tuple[int, int, int]:
         return (len(self.prompt_ids), sum(len(c.output_ids) for c in self.completions), self.num_cached_tokens)

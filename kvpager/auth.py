@@ -85,3 +85,26 @@ def _rejecting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: s
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(abort_unary, **kwargs)
     return grpc.stream_stream_rpc_method_handler(abort_stream, **kwargs)
+
+
+def principal(context: grpc.aio.ServicerContext, token_required: bool) -> str:
+    """Who is calling, for scoping what a call may touch (its own requests).
+
+    The bearer token is one shared secret, so with ``token_required`` every
+    holder is the same principal, told apart further only by a verified TLS
+    client certificate. Without a token a certificate is the principal; with
+    neither, the connection is (``context.peer()``: one HTTP/2 connection, as
+    a channel keeps it).
+    """
+    identity = ""
+    try:
+        names = context.peer_identities()
+    except Exception:  # noqa: BLE001 - no TLS on this call
+        names = None
+    if names:
+        identity = b",".join(names).decode("utf-8", "replace")
+    if token_required:
+        return f"token/{identity}"
+    if identity:
+        return f"tls/{identity}"
+    return f"conn/{context.peer()}"

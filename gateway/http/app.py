@@ -113,6 +113,14 @@ def make_app(ctx: HttpContext) -> FastAPI:
         if name is not None and name != ctx.served_model_name:
             raise model_not_found(name)
 
+    async def encode_chat(messages: list[dict], add_generation_prompt: bool, **kwargs) -> list[int]:
+        """Render and tokenize off the loop, the text's size checked before each."""
+        frontend.check_text_bytes(sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass"))
+                                      for m in messages), "messages")
+        text = await frontend.off_loop(chat.render, messages, add_generation_prompt,
+                                       **{k: v for k, v in kwargs.items() if k != "add_special_tokens"})
+        return await frontend.encode(text, kwargs.get("add_special_tokens", False), param="messages")
+
     async def admit(subs: list[Submission]) -> list:
         """Validate every prompt, then admit them all (or none)."""
         limits = frontend.engine.limits
@@ -136,7 +144,7 @@ def make_app(ctx: HttpContext) -> FastAPI:
 
     async def generate(common: protocol.Common, prompt_ids: list[list[int]], renderer: Renderer,
                        prefixes: dict[int, str]) -> Response:
-        subs = [Submission(ids, common.params, request_id=f"{renderer.id}-{i}", priority=common.priority,
+        subs = [Submission(ids, common.params, request_id=f"{renderer.id}-{i}", owner="http", priority=common.priority,
                            cache_salt=common.cache_salt, skip_special_tokens=common.skip_special_tokens)
                 for i, ids in enumerate(prompt_ids)]
         reqs = await admit(subs)
@@ -172,7 +180,10 @@ def make_app(ctx: HttpContext) -> FastAPI:
         check_model(req.common.model)
         frontend.check_ready()
         try:
-            ids = [frontend.prompt_ids(p, None) if isinstance(p, str) else frontend.prompt_ids(None, p)
+            if sum(len(p) for p in req.prompts if isinstance(p, str)) > 0:  # all of them together
+                frontend.check_text_bytes(sum(len(p.encode("utf-8", "surrogatepass")) for p in req.prompts
+                                              if isinstance(p, str)))
+            ids = [await frontend.prompt_ids(p, None) if isinstance(p, str) else await frontend.prompt_ids(None, p)
                    for p in req.prompts]
             n = req.common.params.n
             renderer = Renderer(False, ctx.served_model_name, token_text, n)
@@ -193,7 +204,7 @@ def make_app(ctx: HttpContext) -> FastAPI:
         req = protocol.chat_request(await read_json(request, ctx.max_body_bytes))
         check_model(req.common.model)
         frontend.check_ready()
-        ids = chat.encode(req.messages, req.add_generation_prompt, **req.template_kwargs)
+        ids = await encode_chat(req.messages, req.add_generation_prompt, **req.template_kwargs)
         renderer = Renderer(True, ctx.served_model_name, token_text, req.common.params.n)
         return await generate(req.common, [ids], renderer, {})
 
@@ -203,9 +214,9 @@ def make_app(ctx: HttpContext) -> FastAPI:
         t = protocol.tokenize_request(await read_json(request, ctx.max_body_bytes))
         check_model(t.model)
         if t.messages is not None:
-            ids = chat.encode(t.messages, t.add_generation_prompt, add_special_tokens=t.add_special_tokens)
+            ids = await encode_chat(t.messages, t.add_generation_prompt, add_special_tokens=t.add_special_tokens)
         else:
-            ids = list(tokenizer.encode(t.prompt, add_special_tokens=t.add_special_tokens))
+            ids = await frontend.encode(t.prompt, add_special_tokens=t.add_special_tokens)
         limits = frontend.engine.limits
         return {"count": len(ids), "max_model_len": limits.max_model_len if limits is not None else None,
                 "tokens": ids, "token_strs": tokenizer.convert_ids_to_tokens(ids) if t.return_token_strs else None}
