@@ -766,7 +766,7 @@ async def _demo(stack: Stack, console) -> None:
         peak: dict = {}
 
         async def watch() -> None:  # keep the snapshot with the most blocks in use
-            async for snap in stub.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=20)):
+            async for snap in stub.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=100)):
                 data = snapshot_dict(snap)
                 if data["used_blocks"] >= peak.get("used_blocks", -1):
                     peak.clear()

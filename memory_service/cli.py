@@ -20,8 +20,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mirror the prefix index to this Redis, redis://[user:pass@]host:port/db "
                         "(default: $KVPAGER_REDIS_URL; none = no mirror). Credentials may also come from "
                         "$KVPAGER_REDIS_USERNAME / $KVPAGER_REDIS_PASSWORD")
-    p.add_argument("--max-pool-blocks", type=int, default=1 << 22,
-                   help="RegisterExecutor refuses pools (device or swap) larger than this many blocks")
+    lim = p.add_argument_group("what one RPC may ask (docs/security.md, Limits)")
+    lim.add_argument("--max-pool-blocks", type=int, default=1 << 22,
+                     help="RegisterExecutor refuses pools (device or swap) larger than this many blocks")
+    lim.add_argument("--max-total-blocks", type=int, default=1 << 22,
+                     help="device + swap blocks of all registered executors together")
+    lim.add_argument("--max-executors", type=int, default=64,
+                     help="executors registered at once (also: distinct executor ids in one ScorePrefix)")
+    lim.add_argument("--max-executor-id-chars", type=int, default=128, help="characters of an executor id")
+    lim.add_argument("--max-name-chars", type=int, default=256,
+                     help="characters of a registered address, model id, dtype or adapter")
+    lim.add_argument("--max-fork-children", type=int, default=1024,
+                     help="child sequences of all forks of one Step (or one Fork)")
+    lim.add_argument("--max-watchers", type=int, default=16, help="WatchAccounting streams open at once")
+    lim.add_argument("--min-watch-interval-ms", type=int, default=100, help="WatchAccounting's shortest interval")
     p.add_argument("--log-level", default="INFO")
     from kvpager.security import add_security_arguments
 
@@ -30,15 +42,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from kvpager.security import security_from_args
+    from memory_service.limits import MemoryLimits
     from memory_service.service import MemoryConfig
 
     security = security_from_args(args)
+    defaults = MemoryLimits()
+    limits = MemoryLimits(**{name: getattr(args, name, getattr(defaults, name)) for name in (
+        "max_pool_blocks", "max_total_blocks", "max_executors", "max_executor_id_chars", "max_name_chars",
+        "max_fork_children", "max_watchers", "min_watch_interval_ms")})
     return MemoryConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, lease_s=args.lease_s,
                         swap_min_tokens=args.swap_min_tokens, grace_s=args.grace_s,
                         redis_url=getattr(args, "redis_url", None), tls=security.server_tls(),
                         client_tls=security.client_tls(), admin_token=security.admin_token,
-                        open_read_only=security.open_read_only,
-                        max_pool_blocks=getattr(args, "max_pool_blocks", 1 << 22))
+                        open_read_only=security.open_read_only, limits=limits)
 
 
 def run(args: argparse.Namespace) -> int:

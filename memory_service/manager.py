@@ -14,11 +14,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from kvpager.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvpager.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvpager.log_limits import clip
 from kvpager.prefix_index.hashing import namespace_digest, root_hash
 from memory_service.accounting import PoolAccounting, check_invariants, executor_accounting, total_accounting
 from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorKV, ExecutorSpec
+from memory_service.limits import MemoryLimits, check_name
 from memory_service.planner import Planner
 from memory_service.policy import EvictionPolicy, ModePolicy, VictimEligibility, VictimPolicy
 from memory_service.records import NewSeq, PrefixScore, Rejected, RejectionReason, StepInput, StepOutput
@@ -29,7 +31,8 @@ from memory_service.validation import DecodeStep, StepValidator
 class MemoryManager:
     def __init__(self, victim_policy: VictimPolicy | None = None, mode_policy: ModePolicy | None = None,
                  events: EventQueue | None = None, *, eligibility: VictimEligibility | None = None,
-                 eviction: EvictionPolicy | None = None) -> None:
+                 eviction: EvictionPolicy | None = None, limits: MemoryLimits | None = None) -> None:
+        self.limits = limits or MemoryLimits()
         self.victim_policy = victim_policy or VictimPolicy()
         self.mode_policy = mode_policy or ModePolicy()
         self.eviction = eviction or EvictionPolicy()
@@ -37,7 +40,7 @@ class MemoryManager:
         self.executors: dict[str, ExecutorKV] = {}
         self.seqs: dict[int, Sequence] = {}
         self._namespaces: dict[str, bytes] = {}
-        self.validator = StepValidator(self.seqs, self.executors)
+        self.validator = StepValidator(self.seqs, self.executors, max_fork_children=self.limits.max_fork_children)
         self.planner = Planner(self.seqs, self.executors, eligibility=eligibility or VictimEligibility(),
                                victims=self.victim_policy, modes=self.mode_policy)
         self._arrivals = itertools.count()
@@ -53,6 +56,7 @@ class MemoryManager:
             raise InvalidArgument("num_blocks and block_size must be positive, num_swap_blocks >= 0")
         if not spec.executor_id:
             raise InvalidArgument("executor_id must not be empty")
+        self._check_registration(spec)
         old = self.executors.get(spec.executor_id)
         if old is not None:
             same = (old.spec.incarnation == spec.incarnation and old.spec.pool_generation == spec.pool_generation
@@ -66,10 +70,28 @@ class MemoryManager:
                                                               spec.adapter)
         return old is not None
 
+    def _check_registration(self, spec: ExecutorSpec) -> None:
+        """Names, pool sizes and the registry's room, before anything is built."""
+        lim = self.limits
+        check_name(spec.executor_id, "executor_id", lim.max_executor_id_chars, "max_executor_id_chars")
+        for name in ("address", "model_id", "dtype", "adapter"):
+            check_name(getattr(spec, name), name, lim.max_name_chars, "max_name_chars")
+        if spec.num_blocks > lim.max_pool_blocks or spec.num_swap_blocks > lim.max_pool_blocks:
+            raise InvalidArgument(f"num_blocks and num_swap_blocks must be <= {lim.max_pool_blocks} "
+                                  "(max_pool_blocks)")
+        others = [kv for eid, kv in self.executors.items() if eid != spec.executor_id]
+        if len(others) >= lim.max_executors:
+            raise ResourceExhausted(f"{len(others)} executors are registered; the limit is {lim.max_executors} "
+                                    "(max_executors)")
+        held = sum(kv.spec.num_blocks + kv.spec.num_swap_blocks for kv in others)
+        if held + spec.num_blocks + spec.num_swap_blocks > lim.max_total_blocks:
+            raise ResourceExhausted(f"registered pools hold {held} blocks; {spec.num_blocks + spec.num_swap_blocks} "
+                                    f"more is over the limit of {lim.max_total_blocks} (max_total_blocks)")
+
     def deregister_executor(self, executor_id: str, incarnation: int = 0) -> int:
         kv = self._executor(executor_id)
         if incarnation and kv.spec.incarnation != incarnation:
-            raise FailedPrecondition(f"executor {executor_id!r} is at incarnation {kv.spec.incarnation}, "
+            raise FailedPrecondition(f"executor {clip(executor_id)!r} is at incarnation {kv.spec.incarnation}, "
                                      f"not {incarnation}")
         dropped = self._drop_executor(kv)
         del self.executors[executor_id]
@@ -89,7 +111,7 @@ class MemoryManager:
     def _executor(self, executor_id: str) -> ExecutorKV:
         kv = self.executors.get(executor_id)
         if kv is None:
-            raise NotFound(f"unknown executor {executor_id!r}")
+            raise NotFound(f"unknown executor {clip(executor_id)!r}")
         return kv
 
     def _token_limit(self, seq: Sequence) -> int:
@@ -223,8 +245,16 @@ class MemoryManager:
 
     # ---- prefix scoring -------------------------------------------------------------
 
+    def _wanted(self, executor_ids: Iterable[str]) -> list[str]:
+        """The executors a score asks for: distinct, at most ``max_executors`` (all when none)."""
+        wanted = list(dict.fromkeys(executor_ids))
+        if len(wanted) > self.limits.max_executors:
+            raise InvalidArgument(f"{len(wanted)} distinct executor ids; the limit is {self.limits.max_executors} "
+                                  "(max_executors)")
+        return wanted or list(self.executors)
+
     def score_prefix(self, token_ids, cache_salt: str = "", executor_ids: Iterable[str] = ()) -> list[PrefixScore]:
-        wanted = list(executor_ids) or list(self.executors)
+        wanted = self._wanted(executor_ids)
         scores = []
         for executor_id in wanted:
             kv = self._executor(executor_id)
@@ -239,7 +269,7 @@ class MemoryManager:
         """Scoring by a chain the caller computed (from `namespace` and its salt);
         executors of another namespace hold none of it."""
         scores = []
-        for executor_id in list(executor_ids) or list(self.executors):
+        for executor_id in self._wanted(executor_ids):
             kv = self._executor(executor_id)
             hit = kv.count_prefix_hashes(block_hashes) if self._namespaces[executor_id] == namespace else 0
             scores.append(PrefixScore(executor_id, hit, hit * kv.block_size, len(kv.seq_ids),

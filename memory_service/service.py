@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 from kvpager.channel import ClientTls
@@ -12,6 +13,7 @@ from kvpager.server import ServiceRuntime, TlsConfig
 from kvpager.telemetry import get_logger
 from kvpager.v1 import memory_pb2_grpc
 from memory_service.events import EventQueue
+from memory_service.limits import MemoryLimits
 from memory_service.manager import MemoryManager
 from memory_service.policy import ModePolicy
 from memory_service.service_state import MemoryState
@@ -44,7 +46,7 @@ class MemoryConfig:
     client_tls: ClientTls | None = None
     admin_token: str | None = field(default=None, repr=False)
     open_read_only: bool = False
-    max_pool_blocks: int = 1 << 22         # RegisterExecutor refuses larger pools
+    limits: MemoryLimits = field(default_factory=MemoryLimits)  # what one RPC may ask (docs/security.md)
 
 
 class MemoryServer:
@@ -53,7 +55,7 @@ class MemoryServer:
     def __init__(self, config: MemoryConfig) -> None:
         self.config = config
         manager = MemoryManager(mode_policy=ModePolicy(swap_min_tokens=config.swap_min_tokens),
-                                events=EventQueue(enabled=bool(config.redis_url)))
+                                events=EventQueue(enabled=bool(config.redis_url)), limits=config.limits)
         self.state = MemoryState(manager, lease_s=config.lease_s)
         self.mirror = None
         if config.redis_url:
@@ -67,7 +69,7 @@ class MemoryServer:
                                       metrics_port=config.metrics_port, grace_s=config.grace_s, tls=config.tls,
                                       auth=memory_auth(config.admin_token, config.open_read_only))
         self.runtime.add(memory_pb2_grpc.add_MemoryServiceServicer_to_server,
-                         MemoryServicer(self.state, max_pool_blocks=config.max_pool_blocks), SERVICE_NAME)
+                         MemoryServicer(self.state), SERVICE_NAME)
         self._reaper: asyncio.Task | None = None
 
     @property
@@ -123,9 +125,16 @@ class MemoryServer:
         return answer_from_reply(reply, incarnation, pool_generation)
 
     async def _reap(self) -> None:
+        """Every half lease: drop the executors silent for too long. Time this
+        loop overslept is time the service itself was stalled (heartbeats
+        waiting unread behind a long call): it is credited to every lease
+        before reaping, so a stall never expires a healthy executor."""
+        interval_s = max(0.05, self.config.lease_s / 2)
         while True:
-            await asyncio.sleep(max(0.05, self.config.lease_s / 2))
+            t0 = time.monotonic()
+            await asyncio.sleep(interval_s)
             try:
+                self.state.excuse_stall(time.monotonic() - t0 - interval_s)
                 self.state.reap_expired()
             except Exception:  # a reaper crash must not take the service down
                 log.exception("lease reaper failed")

@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
 
 from kvpager.errors import FailedPrecondition, NotFound
+from kvpager.log_limits import LogLimiter, clip
 from kvpager.telemetry import get_logger
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
@@ -43,6 +44,7 @@ class MemoryState:
         self.lease_s = lease_s
         self.expiry_leases = expiry_leases
         self._last_seen: dict[str, float] = {}
+        self._warnings = LogLimiter(30.0)
         self.mirror = None  # set by the Redis mirror when enabled
         self._collector = _AccountingCollector(self)
         _COLLECTORS.attach(self._collector)
@@ -71,9 +73,9 @@ class MemoryState:
     def heartbeat(self, executor_id: str, incarnation: int) -> None:
         kv = self.manager.executors.get(executor_id)
         if kv is None:
-            raise NotFound(f"unknown executor {executor_id!r}: register first")
+            raise NotFound(f"unknown executor {clip(executor_id)!r}: register first")
         if incarnation and kv.spec.incarnation != incarnation:
-            raise FailedPrecondition(f"executor {executor_id!r} is registered at incarnation "
+            raise FailedPrecondition(f"executor {clip(executor_id)!r} is registered at incarnation "
                                      f"{kv.spec.incarnation}, not {incarnation}")
         self._last_seen[executor_id] = time.monotonic()
         if self.mirror is not None:
@@ -85,6 +87,18 @@ class MemoryState:
         if seen is None:
             return None
         return (time.monotonic() if now is None else now) - seen
+
+    def excuse_stall(self, stalled_s: float) -> None:
+        """The service did not run for ``stalled_s`` (its reaper woke that late):
+        no executor's lease runs for that time (its heartbeats could not be read).
+        A late wake-up under 50 ms is scheduling noise."""
+        if stalled_s < 0.05:
+            return
+        for eid in self._last_seen:
+            self._last_seen[eid] += stalled_s
+        if stalled_s >= 1.0:
+            self._warnings.log(log.warning, "stall", "memory service stalled: leases extended",
+                               stalled_s=round(stalled_s, 2))
 
     def reap_expired(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now

@@ -10,7 +10,7 @@ import asyncio
 from array import array
 import time
 
-from kvpager.errors import InvalidArgument
+from kvpager.errors import InvalidArgument, ResourceExhausted
 from kvpager.packed import array_bytes, unpack_i32, unpack_i64
 from kvpager.prefix_index.hashing import DIGEST_BYTES, unpack_hashes
 from kvpager.v1 import common_pb2, memory_pb2, memory_pb2_grpc
@@ -125,21 +125,22 @@ def accounting_to_proto(a: PoolAccounting) -> memory_pb2.PoolAccounting:
     return memory_pb2.PoolAccounting(**a.as_dict())
 
 
-# A pool is numbers here, but each block is an object: 2M blocks take ~2 s and
-# ~300 MiB to register, and a uint32 num_blocks could take the service down.
-MAX_POOL_BLOCKS = 1 << 22
 MAX_BLOCK_SIZE = 1024  # tokens; the executor's own limit
 
 
 class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
-    def __init__(self, state: MemoryState, *, max_pool_blocks: int = MAX_POOL_BLOCKS) -> None:
+    """Sizes, names and the registry's room are the manager's limits
+    (``memory_service.limits``); the watcher limits are checked here."""
+
+    def __init__(self, state: MemoryState) -> None:
         self.state = state
-        self.max_pool_blocks = max_pool_blocks
+        self.limits = state.manager.limits
+        self._watchers = 0
+        self._shared: memory_pb2.AccountingSnapshot | None = None  # what every watcher gets ...
+        self._shared_at = 0.0                                      # ... computed then (monotonic)
 
     async def RegisterExecutor(self, request, context):
         info = request.info
-        if info.num_blocks > self.max_pool_blocks or info.num_swap_blocks > self.max_pool_blocks:
-            raise InvalidArgument(f"num_blocks and num_swap_blocks must be <= {self.max_pool_blocks}")
         if info.block_size > MAX_BLOCK_SIZE:
             raise InvalidArgument(f"block_size must be <= {MAX_BLOCK_SIZE}")
         replaced = self.state.register_executor(spec_from_proto(info))
@@ -180,13 +181,30 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def GetAccounting(self, request, context):
         return self._snapshot(request.executor_id)
 
+    def _watched(self) -> memory_pb2.AccountingSnapshot:
+        """One snapshot for every watcher, computed at most once per
+        ``snapshot_reuse_ms`` (each is O(blocks held), on the service's loop)."""
+        now = time.monotonic()
+        if self._shared is None or now - self._shared_at >= self.limits.snapshot_reuse_ms / 1000.0:
+            self._shared, self._shared_at = self._snapshot(), now
+        return self._shared
+
     async def WatchAccounting(self, request, context):
-        interval_s = (request.interval_ms or 1000) / 1000.0
-        if interval_s < 0.01:
-            raise InvalidArgument("interval_ms must be at least 10")
-        while True:
-            yield self._snapshot()
-            await asyncio.sleep(interval_s)
+        lim = self.limits
+        interval_ms = request.interval_ms or 1000
+        if interval_ms < lim.min_watch_interval_ms:
+            raise InvalidArgument(f"interval_ms must be at least {lim.min_watch_interval_ms} "
+                                  "(min_watch_interval_ms)")
+        if self._watchers >= lim.max_watchers:
+            raise ResourceExhausted(f"{self._watchers} accounting watchers are open; the limit is "
+                                    f"{lim.max_watchers} (max_watchers)", retry_after_s=5.0)
+        self._watchers += 1
+        try:
+            while True:
+                yield self._watched()
+                await asyncio.sleep(interval_ms / 1000.0)
+        finally:
+            self._watchers -= 1
 
     async def ScorePrefix(self, request, context):
         if request.block_hashes:

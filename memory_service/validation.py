@@ -52,8 +52,10 @@ class DecodeStep:
 class StepValidator:
     """Checks steps against the manager's live sequences and executors (read only)."""
 
-    def __init__(self, seqs: dict[int, Sequence], executors: dict[str, ExecutorKV]) -> None:
+    def __init__(self, seqs: dict[int, Sequence], executors: dict[str, ExecutorKV], *,
+                 max_fork_children: int = 1024) -> None:
         self.seqs = seqs
+        self.max_fork_children = max_fork_children  # all forks of one step together (each child copies its parent)
         self.executors = executors
         self._freed: OrderedDict[int, None] = OrderedDict()
         self._unit_offsets = array("i", [0])  # [0, 1, ..., n]: one appended token per sequence
@@ -141,6 +143,10 @@ class StepValidator:
         def alive(seq_id: int) -> bool:
             return (seq_id in live or seq_id in created) and seq_id not in gone
 
+        num_children = sum(len(children) for _, children in step.forks)
+        if num_children > self.max_fork_children:
+            raise InvalidArgument(f"fork: {num_children} child sequences; the limit is {self.max_fork_children} "
+                                  "per step (max_fork_children)")
         for parent_id, children in step.forks:
             if not alive(parent_id):
                 raise self.missing(parent_id, "fork")

@@ -202,7 +202,7 @@ async def test_preemption_reported_over_grpc(memory):
 
 async def test_watch_accounting_streams(memory):
     stub = memory
-    stream = stub.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=20))
+    stream = stub.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=100))
     seen = 0
     async for snap in stream:
         assert snap.total.total_blocks == 16
