@@ -14,20 +14,22 @@ coroutines post work (new requests, aborts, executor changes) and wake it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvpager.errors import FailedPrecondition, Internal, KvpagerError, NotFound, Unavailable
+from kvpager.errors import FailedPrecondition, KvpagerError, NotFound, Unavailable
 from kvpager.prefix_index.hashing import PromptChain
 from kvpager.seq_status import SeqStatus
-from kvpager.log_limits import LogLimiter, clip
+from kvpager.log_limits import clip
 from kvpager.telemetry import get_logger
 from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
-from gateway import metrics, wire
+from gateway import failures, metrics, wire
 from gateway.beam import BeamSearch
 from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
+from gateway.failures import FailureLog, for_client
 from gateway.membership import Executors
 from gateway.outputs import Outbox
 from gateway.params import RequestCaps
@@ -89,6 +91,7 @@ class Engine:
         self._row_builder = RowBuilder(self.beams, plan_ahead=config.plan_ahead)
         self._step_id = int(time.time() * 1000) << 8  # increasing across gateway restarts
         self._refresh_now = asyncio.Event()
+        self._failures = FailureLog()
         self._inflight: list[_Inflight] = []  # oldest first
         # Executes one executor may have in flight: a step planned ahead joins the running one.
         self._depth = 2 if config.plan_ahead else 1
@@ -130,7 +133,8 @@ class Engine:
             log.warning("memory service not reachable yet", error=exc.message)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._run(), name="engine-loop"),
-                       loop.create_task(self._refresh(), name="executor-refresh")]
+                       loop.create_task(self.executors.refresh(self.config.executor_refresh_s, self._refresh_now),
+                                        name="executor-refresh")]
 
     async def stop(self) -> None:
         self._stopping = True
@@ -151,38 +155,26 @@ class Engine:
 
     # ---- executors ------------------------------------------------------------
 
-    async def _refresh(self) -> None:
-        """The registry, re-read off the loop: joins run in their own tasks, and
-        the loop applies a listing (and finished joins) without waiting."""
-        warnings = LogLimiter(30.0)
-        while not self._stopping:
-            try:
-                await asyncio.wait_for(self._refresh_now.wait(), self.config.executor_refresh_s)
-            except asyncio.TimeoutError:
-                pass
-            self._refresh_now.clear()
-            try:
-                self.executors.listed(await self.memory.list_executors())
-                self._wake.set()
-            except KvpagerError as exc:
-                warnings.log(log.warning, "refresh", "executor refresh failed", error=clip(exc.message))
-
     def _apply_executor_list(self) -> None:
         for ex in self.executors.apply():
-            self._lose_executor(ex, Unavailable(f"executor {ex.executor_id} left or restarted"), deregister=False)
+            self._lose_executor(ex, Unavailable("left or restarted"), deregister=False, left=True)
 
-    def _lose_executor(self, ex: ExecutorClient, error: KvpagerError, deregister: bool) -> None:
-        """Every request on a lost executor ends with `error`; its sequences are
+    def _lose_executor(self, ex: ExecutorClient, cause: KvpagerError, deregister: bool, left: bool = False) -> None:
+        """Every request on a lost executor ends (UNAVAILABLE, or INTERNAL when
+        it refused a step; ``cause`` goes to the log only); its sequences are
         forgotten here (the memory service drops them on deregistration or
         re-registration)."""
         self.executors.remove(ex)
-        for req in [r for r in self.requests.values() if r.executor_id == ex.executor_id]:
+        error = for_client(cause, failures.EXECUTOR_LEFT if left else failures.EXECUTOR_FAILED)
+        ended = [r for r in self.requests.values() if r.executor_id == ex.executor_id]
+        for req in ended:
             self.requests.fail(req, error, release=False)
         for seq in self.sequences.of_executor(ex.executor_id):
             self.sequences.forget(seq.seq_id)
         loop = asyncio.get_running_loop()
         loop.create_task(self.executors.deregister(ex) if deregister else ex.close())
-        log.warning("executor lost", executor_id=ex.executor_id, error=error.message)
+        self._failures.ended("executor lost", cause, [r.request_id for r in ended], executor_id=clip(ex.executor_id),
+                             status=cause.status)
 
     # ---- requests ---------------------------------------------------------------
 
@@ -245,8 +237,9 @@ class Engine:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the loop must survive anything one step does
-                log.exception("engine step failed")
-                await self._reset(exc if isinstance(exc, KvpagerError) else Internal("engine step failed"))
+                if not isinstance(exc, KvpagerError):
+                    log.exception("engine step failed")
+                await self._reset(exc, failures.MEMORY_UNAVAILABLE, "engine step failed")
                 self.outbox.flush()
             await asyncio.sleep(0)  # let new requests run between steps
 
@@ -278,15 +271,15 @@ class Engine:
         try:
             plan = await self.memory.step(request, self.config.step_timeout_s)
         except Unavailable as exc:
-            await self._reset(Unavailable(f"memory service unavailable: {exc.message}"))
+            await self._reset(exc, failures.MEMORY_UNAVAILABLE, "memory service unavailable")
             self.outbox.flush()
             return
         except (NotFound, FailedPrecondition) as exc:
             # The memory service no longer holds what we think it does: it restarted (and
             # recovered, or not, from the mirror) or an executor was dropped and is
             # re-registering. Retryable for clients; re-read the executors before routing again.
-            log.warning("memory service state diverged from the gateway's; resetting", error=exc.message)
-            await self._reset(Unavailable(f"serving state was reset ({exc.message}); retry"), release=True)
+            await self._reset(Unavailable(exc.message), failures.STATE_RESET,
+                              "memory service state diverged from the gateway's; resetting", release=True)
             self._refresh_now.set()  # re-read the executors now (off the loop)
             self.outbox.flush()
             return
@@ -360,9 +353,7 @@ class Engine:
             return  # lost (or replaced) while the call ran: its requests have ended already
         exc = task.exception()
         if exc is not None:
-            if isinstance(exc, KvpagerError) and not isinstance(exc, Unavailable):
-                log.error("executor rejected a step", executor_id=ex.executor_id, error=exc.message)
-            self._lose_executor(ex, exc if isinstance(exc, KvpagerError) else Unavailable(str(exc)),
+            self._lose_executor(ex, exc if isinstance(exc, KvpagerError) else Unavailable(repr(exc)),
                                 deregister=True)
             return
         self._apply_results(call.rows, task.result())
@@ -395,18 +386,23 @@ class Engine:
     def fail_on_bug(self, req: Request, doing: str) -> None:
         self.completions.fail_on_bug(req, doing)
 
-    async def _reset(self, error: KvpagerError, release: bool | None = None) -> None:
-        """A step failed as a whole: end every request, release what we can
+    async def _reset(self, cause: Exception, unavailable: str, kind: str, release: bool | None = None) -> None:
+        """A step failed as a whole: end every request (UNAVAILABLE with
+        ``unavailable`` as the message when retrying helps, else INTERNAL;
+        ``cause`` goes to the log only) and release what we can, off the loop
         (best effort, one sequence at a time: some may be unknown by now)."""
         created = [s.seq_id for s in self.sequences if s.created]
-        self.requests.fail_all(error, release=False)
+        self._failures.ended(kind, cause, [r.request_id for r in self.requests.values()],
+                             status=getattr(cause, "status", "INTERNAL"))
+        self.requests.fail_all(for_client(cause, unavailable), release=False)
         self.sequences.clear()
         if release is None:
-            release = not isinstance(error, Unavailable)
+            release = not isinstance(cause, Unavailable)
         if created and release:
-            for seq_id in created:
-                try:
-                    await self.memory.free([seq_id], abort=True)
-                except KvpagerError:
-                    pass
+            asyncio.get_running_loop().create_task(self._free_each(created))
+
+    async def _free_each(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            with contextlib.suppress(KvpagerError):
+                await self.memory.free([seq_id], abort=True)
 

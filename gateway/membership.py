@@ -15,6 +15,7 @@ ever takes finished joins.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -48,7 +49,7 @@ class Executors:
         self.info_timeout_s = info_timeout_s
         self._tls = tls            # ClientTls for Execute channels (None = insecure)
         self._token = token        # the admin token executors require
-        self._on_join = on_join or (lambda: None)
+        self._on_join = on_join or (lambda: None)  # wakes the engine loop: a listing or a join to apply
         self.clients: dict[str, ExecutorClient] = {}
         self.limits: Limits | None = None
         self.eos_ids: frozenset[int] = frozenset()
@@ -86,6 +87,21 @@ class Executors:
         return self.limits is not None and any(e.alive for e in self.clients.values())
 
     # ---- changes ----------------------------------------------------------------------
+
+    async def refresh(self, interval_s: float, now: asyncio.Event) -> None:
+        """The registry, re-read every ``interval_s`` (or when ``now`` is set) by
+        a task of its own: joins run in their own tasks, and the engine loop
+        applies a listing (and finished joins) without waiting."""
+        warnings = LogLimiter(30.0)
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(now.wait(), interval_s)
+            now.clear()
+            try:
+                self.listed(await self.memory.list_executors())
+                self._on_join()
+            except KvpagerError as exc:
+                warnings.log(log.warning, "refresh", "executor refresh failed", error=clip(exc.message))
 
     def listed(self, pools: list[memory_pb2.ExecutorPoolInfo]) -> None:
         """A new listing (the refresh task): applied by the loop's next ``apply``;

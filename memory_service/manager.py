@@ -191,7 +191,7 @@ class MemoryManager:
                             f"sequence needs {max(n, new.max_total_tokens)} tokens, over the context limit {limit}")
         if not kv.can_ever_fit(max(n, new.max_total_tokens)):
             return Rejected(new.seq_id, RejectionReason.OVER_POOL,
-                            f"sequence needs {max(n, new.max_total_tokens)} tokens; executor {kv.spec.executor_id!r} "
+                            f"sequence needs {max(n, new.max_total_tokens)} tokens; the executor's KV pool "
                             f"holds {kv.spec.num_blocks * kv.spec.block_size} in all")
         seq = Sequence(new.seq_id, new.executor_id, list(new.prompt_token_ids),
                        root_hash(self._namespaces[new.executor_id], new.cache_salt),

@@ -180,3 +180,35 @@ async def test_an_executor_that_never_answers_does_not_stall_the_loop(stack):
         await stack.mem.DeregisterExecutor(memory_pb2.DeregisterExecutorRequest(executor_id="silent"))
         await server.stop(0)
     await stack.wait_idle()
+
+
+async def test_clients_never_see_internal_addresses_or_sequence_ids(stack, capfd):
+    """Another service's error reaches the log (with the request id); the client gets a code and a generic message."""
+    stream = stack.gw.Generate(req(request_id="victim", max_tokens=60, ignore_eos=True), timeout=60)
+    await stream.read()
+    seq_ids = list(stack.gateway.engine.seqs)
+    assert seq_ids
+    # Freed behind the gateway's back: its next Step appends to a freed sequence.
+    await stack.mem.Free(memory_pb2.FreeRequest(seq_ids=seq_ids))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _rest(stream)
+    details = err.value.details()
+    assert err.value.code() == S.UNAVAILABLE
+    assert "127.0.0.1" not in details and "sequence" not in details and str(seq_ids[0]) not in details, details
+    assert details == "the serving state was reset; retry"
+    captured = capfd.readouterr()
+    logged = [line for line in (captured.err + captured.out).splitlines() if "diverged" in line]
+    assert logged and "victim" in logged[0] and "already freed" in logged[0], logged
+    await stack.wait_idle()
+    outs = [r async for r in stack.gw.Generate(req(max_tokens=3), timeout=30)]  # and it serves on
+    assert outs[-1].finish_reason != 0
+
+
+async def test_internal_failures_map_to_generic_errors():
+    from gateway.failures import EXECUTOR_FAILED, INTERNAL, for_client
+    from kvpager.errors import FailedPrecondition, Unavailable
+
+    err = for_client(Unavailable("executor e0 at 127.0.0.1:5: UNAVAILABLE: connection refused"), EXECUTOR_FAILED)
+    assert (err.status, err.message, err.retry_after_s) == ("UNAVAILABLE", EXECUTOR_FAILED, 1.0)
+    err = for_client(FailedPrecondition("executor e0 at 127.0.0.1:5: table of sequence 7 differs"), EXECUTOR_FAILED)
+    assert (err.status, err.message) == ("INTERNAL", INTERNAL)

@@ -1,0 +1,46 @@
+"""What a client learns when something inside the stack fails.
+
+Errors from the memory service or an executor name internal addresses,
+executor and sequence ids and the other service's own messages ("memory
+service 127.0.0.1:43435: appended: sequence 2382 was already freed"). Those
+go to the gateway's log, with the ids of the requests they ended; the client
+gets a status code and a generic message it can act on (UNAVAILABLE: retry;
+INTERNAL: a bug, the request was ended). The log lines are rate-limited per
+kind: a failing peer cannot make the gateway write at the rate it fails.
+"""
+
+from __future__ import annotations
+
+from kvpager.errors import Internal, KvpagerError, Unavailable
+from kvpager.log_limits import LogLimiter, clip
+from kvpager.telemetry import get_logger
+
+log = get_logger("gateway.engine")
+
+MEMORY_UNAVAILABLE = "the memory service is unavailable; retry"
+STATE_RESET = "the serving state was reset; retry"
+EXECUTOR_FAILED = "the executor serving this request failed; retry"
+EXECUTOR_LEFT = "the executor serving this request left or restarted; retry"
+INTERNAL = "internal error; the request was ended"
+MAX_IDS_LOGGED = 32
+
+
+def for_client(exc: BaseException, unavailable: str) -> KvpagerError:
+    """The error a client gets for an internal failure ``exc``: UNAVAILABLE
+    (with ``unavailable`` as its message) when retrying can help, else INTERNAL."""
+    if isinstance(exc, Unavailable):
+        return Unavailable(unavailable, retry_after_s=1.0)
+    return Internal(INTERNAL)
+
+
+class FailureLog:
+    """The details clients do not get, at most one line per kind every ``interval_s``."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self._limiter = LogLimiter(interval_s)
+
+    def ended(self, kind: str, detail: BaseException | str, request_ids: list[str], **fields) -> None:
+        message = detail.message if isinstance(detail, KvpagerError) else str(detail)
+        ids = [clip(r, 40) for r in request_ids[:MAX_IDS_LOGGED]]
+        self._limiter.log(log.warning, kind, kind, error=clip(message, 400), requests_ended=len(request_ids),
+                          request_ids=ids, **fields)
