@@ -56,7 +56,8 @@ class Frontend:
 
     def check_text_bytes(self, size: int, param: str = "prompt") -> None:
         """A text prompt of ``size`` UTF-8 bytes may be tokenized (checked before any work)."""
-        limit = self.caps.prompt_bytes(self.engine.limits.prompt_token_limit)
+        limits = self.engine.limits  # None before an executor joined (/tokenize still works)
+        limit = self.caps.prompt_bytes(limits.prompt_token_limit if limits is not None else 0)
         if size > limit:
             raise InvalidArgument(f"the prompt text is {size} bytes; the limit is {limit} (max_prompt_bytes)",
                                   param=param)

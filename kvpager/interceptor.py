@@ -18,6 +18,7 @@ import grpc.aio
 import structlog
 
 from kvpager.errors import InvalidArgument, KvpagerError
+from kvpager.log_limits import clip
 from kvpager.telemetry import RPC_IN_FLIGHT, RPC_LATENCY, RPC_REQUESTS, get_logger
 
 log = get_logger("kvpager.server")
@@ -189,7 +190,7 @@ class _Call:
             raise exc
         if isinstance(exc, KvpagerError) and exc.status in grpc.StatusCode.__members__ and exc.status != "OK":
             code, details = grpc.StatusCode[exc.status], exc.message
-            log.debug("rpc failed", code=exc.status, error=details)
+            log.debug("rpc failed", code=exc.status, error=clip(details, 400))
         elif isinstance(exc, NotImplementedError):  # the generated base servicer's stubs
             code, details = grpc.StatusCode.UNIMPLEMENTED, "method not implemented"
         else:

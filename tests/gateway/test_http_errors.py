@@ -102,6 +102,16 @@ BAD = [  # (name, path, body, the param named)
     ("max_completion_tokens 0", H, {"messages": MSG, "max_completion_tokens": 0}, "max_tokens"),
     ("streamed bad temperature", H, {"messages": MSG, "stream": True, "temperature": -3}, "temperature"),
     ("tokenize with neither", "/tokenize", {"model": None}, "prompt"),
+    # What one request may ask (issue 20): refused before tokenizing or matching.
+    ("text prompt over max_prompt_bytes", C, {"prompt": "ab " * 30_000}, "prompt"),
+    ("prompts over max_prompt_bytes together", C, {"prompt": ["ab " * 12_000] * 3}, "prompt"),
+    ("chat messages over max_prompt_bytes", H, {"messages": [{"role": "user", "content": "ab " * 30_000}]},
+     "messages"),
+    ("tokenize over max_prompt_bytes", "/tokenize", {"prompt": "ab " * 30_000}, "prompt"),
+    ("65 stop strings", C, {"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, "stop"),
+    ("stop strings over 4096 bytes", C, {"prompt": "x", "stop": ["y" * 4097]}, "stop"),
+    ("1025 stop token ids", C, {"prompt": "x", "stop_token_ids": [1] * 1025}, "stop_token_ids"),
+    ("cache_salt over 256 bytes", C, {"prompt": "x", "cache_salt": "s" * 257}, "cache_salt"),
     ("detokenize outside the vocabulary", "/detokenize", {"tokens": [99999]}, "tokens"),
 ]
 
