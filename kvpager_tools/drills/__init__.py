@@ -15,6 +15,7 @@ one JSON summary (``DrillResult``) and exits 1 when the check fails.
     load            many concurrent streams (1,000 by default): throughput, p99 latencies, peak RSS
     http-load       1,000 concurrent streaming HTTP requests (OpenAI API): each completes or gets 429, no 5xx
     soak            a random mix of the above for --duration-s
+    abuse           one request or RPC per case that used to stall, bloat or steer the stack, beside a bystander
 
 docs/reliability.md has the figures of full runs.
 """

@@ -31,6 +31,7 @@ DRILLS = {
     "load": "load",
     "http-load": "http_load",
     "soak": "soak",
+    "abuse": "abuse",
 }
 
 

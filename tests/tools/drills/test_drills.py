@@ -80,6 +80,20 @@ def test_requests_that_failed_every_request_in_flight(env):
     asyncio.run(_regressions(env))
 
 
+def test_abuse(env):
+    """Every case of issue 20, small: the right status, the bystander on time
+    (3x: this machine is shared; the stalls were 10-20x), no growth, no leak."""
+    summary = assert_ok(run_drill(env, "abuse", bystander_tokens=48, score_copies=20_000, prompt_mib=1.0,
+                                  stop_strings=100_000, stop_token_ids=200_000, watchers=24, fork_children=20_000,
+                                  registers=2, name_mib=0.25, request_id_mib=0.5, max_slowdown=3.0))
+    cases = summary["figures"]["cases"]
+    assert set(cases) == {"score_prefix", "silent_executor", "huge_prompt", "stop_strings", "stop_token_ids",
+                          "watchers", "fork_children", "register_pools", "long_names", "request_id",
+                          "foreign_abort"}
+    assert cases["foreign_abort"]["status"] == "NOT_FOUND/OK"
+    assert all(not c["executor_reaped"] and c["leaked_blocks"] == 0 for c in cases.values())
+
+
 def test_executor_kill(env):
     summary = assert_ok(run_drill(env, "executor-kill", streams=8, max_tokens=96, after_requests=4))
     figures = summary["figures"]
