@@ -55,25 +55,15 @@ class Options:
     max_rss_growth_mib: float = 64.0
 
 
-def _status(err: BaseException) -> tuple[str, str]:
-    if isinstance(err, grpc.aio.AioRpcError):
-        return err.code().name, err.details() or ""
-    return type(err).__name__, str(err)
-
-
 async def _call(coro: Awaitable) -> tuple[str, str]:
     try:
         await coro
         return "OK", ""
     except grpc.aio.AioRpcError as err:
-        return _status(err)
+        return err.code().name, err.details() or ""
 
 
-async def _generate(stub, request) -> tuple[str, str]:
-    async def drain():
-        async for _ in stub.Generate(request, timeout=60):
-            pass
-    return await _call(drain())
+Attack = Callable[[], Awaitable[tuple[str, str]]]
 
 
 class _SilentExecutor(executor_pb2_grpc.ExecutorServiceServicer):
@@ -88,56 +78,71 @@ class _SilentExecutor(executor_pb2_grpc.ExecutorServiceServicer):
 
 
 class _Cases:
-    """Each case: an attack run once the bystander streams; returns (status, details)."""
+    """Each case builds its attack before the bystander starts (large messages
+    are serialized then, so the timed part is what the stack does with them)
+    and returns it; the attack returns (status, details)."""
 
     def __init__(self, env: DrillEnv, opts: Options, executor_id: str, done: asyncio.Event) -> None:
         self.env, self.opts, self.executor_id, self.done = env, opts, executor_id, done
         self.c = env.clients
 
-    async def score_prefix(self):
-        return await _call(self.c.memory.ScorePrefix(memory_pb2.ScorePrefixRequest(
-            token_ids=pack_i32(range(64)), executor_ids=[self.executor_id] * self.opts.score_copies), timeout=30))
+    def _raw(self, service: str, method: str, message, streamed: bool = False) -> Attack:
+        """The call with ``message`` already serialized (the drill's own CPU stays out of the timing)."""
+        channel = self.c._gateway_channel if service == "Gateway" else self.c._memory_channel
+        path = f"/kvpager.v1.{service}/{method}"
+        payload = message.SerializeToString()
 
-    async def silent_executor(self):
-        server = grpc.aio.server()
-        silent = _SilentExecutor()
-        executor_pb2_grpc.add_ExecutorServiceServicer_to_server(silent, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        info = memory_pb2.ExecutorPoolInfo(executor_id="abuse-silent", address=f"127.0.0.1:{port}",
-                                           num_blocks=16, block_size=16, model_id="abuse", incarnation=1)
-        try:
-            status = await _call(self.c.memory.RegisterExecutor(memory_pb2.RegisterExecutorRequest(info=info),
-                                                                timeout=10))
-            await asyncio.wait_for(silent.asked.wait(), 10)  # the gateway is joining it now
-            await self.done.wait()
-            return status
-        finally:
-            await _call(self.c.memory.DeregisterExecutor(
-                memory_pb2.DeregisterExecutorRequest(executor_id="abuse-silent"), timeout=10))
-            await server.stop(0)
+        async def attack():
+            if not streamed:
+                return await _call(channel.unary_unary(path)(payload, timeout=60))
 
-    async def huge_prompt(self):
-        text = "ab " * int(self.opts.prompt_mib * MIB / 3)
-        return await _generate(self.c.gateway, gateway_pb2.GenerateRequest(
-            prompt=text, sampling_params=common_pb2.SamplingParams(max_tokens=4)))
+            async def drain():
+                async for _ in channel.unary_stream(path)(payload, timeout=60):
+                    pass
+            return await _call(drain())
+        return attack
 
-    async def stop_strings(self):
-        return await _generate(self.c.gateway, gateway_pb2.GenerateRequest(
-            prompt_token_ids=[5, 6, 7], sampling_params=common_pb2.SamplingParams(
-                max_tokens=16, n=8, temperature=1.0, stop=["xq"] * self.opts.stop_strings)))
+    def _generate(self, **fields) -> Attack:
+        return self._raw("Gateway", "Generate", gateway_pb2.GenerateRequest(**fields), streamed=True)
 
-    async def stop_token_ids(self):
-        return await _generate(self.c.gateway, gateway_pb2.GenerateRequest(
-            prompt_token_ids=[5, 6, 7], sampling_params=common_pb2.SamplingParams(
-                max_tokens=16, stop_token_ids=[1] * self.opts.stop_token_ids)))
+    def score_prefix(self) -> Attack:
+        return self._raw("MemoryService", "ScorePrefix", memory_pb2.ScorePrefixRequest(
+            token_ids=pack_i32(range(64)), executor_ids=[self.executor_id] * self.opts.score_copies))
 
-    async def watchers(self):
-        fast = [self.c.memory.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=10))
-                for _ in range(self.opts.watchers)]
-        slow = [self.c.memory.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=100))
-                for _ in range(self.opts.watchers)]
+    def silent_executor(self) -> Attack:
+        async def attack():
+            server = grpc.aio.server()
+            silent = _SilentExecutor()
+            executor_pb2_grpc.add_ExecutorServiceServicer_to_server(silent, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            info = memory_pb2.ExecutorPoolInfo(executor_id="abuse-silent", address=f"127.0.0.1:{port}",
+                                               num_blocks=16, block_size=16, model_id="abuse", incarnation=1)
+            try:
+                status = await _call(self.c.memory.RegisterExecutor(
+                    memory_pb2.RegisterExecutorRequest(info=info), timeout=10))
+                await asyncio.wait_for(silent.asked.wait(), 10)  # the gateway is joining it now
+                await self.done.wait()
+                return status
+            finally:
+                await _call(self.c.memory.DeregisterExecutor(
+                    memory_pb2.DeregisterExecutorRequest(executor_id="abuse-silent"), timeout=10))
+                await server.stop(0)
+        return attack
 
+    def huge_prompt(self) -> Attack:
+        return self._generate(prompt="ab " * int(self.opts.prompt_mib * MIB / 3),
+                              sampling_params=common_pb2.SamplingParams(max_tokens=4))
+
+    def stop_strings(self) -> Attack:
+        return self._generate(prompt_token_ids=[5, 6, 7], sampling_params=common_pb2.SamplingParams(
+            max_tokens=16, n=8, temperature=1.0, stop=["xq"] * self.opts.stop_strings))
+
+    def stop_token_ids(self) -> Attack:
+        return self._generate(prompt_token_ids=[5, 6, 7], sampling_params=common_pb2.SamplingParams(
+            max_tokens=16, stop_token_ids=[1] * self.opts.stop_token_ids))
+
+    def watchers(self) -> Attack:
         async def first(call):
             try:
                 await call.read()
@@ -145,55 +150,68 @@ class _Cases:
             except grpc.aio.AioRpcError as err:
                 return err.code().name
 
-        try:
-            seen = await asyncio.gather(*(first(call) for call in fast + slow))
-            await self.done.wait()  # the served ones keep streaming meanwhile
-        finally:
-            for call in fast + slow:
-                call.cancel()
-        counts = {s: seen.count(s) for s in sorted(set(seen))}
-        return "/".join(f"{k}:{v}" for k, v in counts.items()), ""
+        async def attack():
+            calls = [self.c.memory.WatchAccounting(memory_pb2.WatchAccountingRequest(interval_ms=interval))
+                     for interval in (10, 100) for _ in range(self.opts.watchers)]
+            try:
+                seen = await asyncio.gather(*(first(call) for call in calls))
+                await self.done.wait()  # the served ones keep streaming meanwhile
+            finally:
+                for call in calls:
+                    call.cancel()
+            return "/".join(f"{k}:{seen.count(k)}" for k in sorted(set(seen))), ""
+        return attack
 
-    async def fork_children(self):
-        return await _call(self.c.memory.Fork(memory_pb2.ForkRequest(fork=common_pb2.ForkOp(
-            parent_seq_id=1, child_seq_ids=range(2, 2 + self.opts.fork_children))), timeout=30))
+    def fork_children(self) -> Attack:
+        return self._raw("MemoryService", "Fork", memory_pb2.ForkRequest(fork=common_pb2.ForkOp(
+            parent_seq_id=1, child_seq_ids=range(2, 2 + self.opts.fork_children))))
 
-    async def register_pools(self):
-        statuses = []
-        for i in range(self.opts.registers):
-            statuses.append(await _call(self.c.memory.RegisterExecutor(memory_pb2.RegisterExecutorRequest(
-                info=memory_pb2.ExecutorPoolInfo(executor_id=f"abuse-pool-{i}", num_blocks=self.opts.register_blocks,
-                                                 block_size=16, num_swap_blocks=self.opts.register_blocks,
-                                                 incarnation=1)), timeout=60)))
-        for i, (status, _) in enumerate(statuses):
-            if status == "OK":
-                await _call(self.c.memory.DeregisterExecutor(
-                    memory_pb2.DeregisterExecutorRequest(executor_id=f"abuse-pool-{i}"), timeout=10))
-        return "/".join(sorted({s for s, _ in statuses})), next((d for s, d in statuses if d), "")
+    def register_pools(self) -> Attack:
+        calls = [self._raw("MemoryService", "RegisterExecutor", memory_pb2.RegisterExecutorRequest(
+            info=memory_pb2.ExecutorPoolInfo(executor_id=f"abuse-pool-{i}", num_blocks=self.opts.register_blocks,
+                                             block_size=16, incarnation=1))) for i in range(self.opts.registers)]
 
-    async def long_names(self):
+        async def attack():
+            statuses = [await call() for call in calls]
+            for i, (status, _) in enumerate(statuses):
+                if status == "OK":
+                    await _call(self.c.memory.DeregisterExecutor(
+                        memory_pb2.DeregisterExecutorRequest(executor_id=f"abuse-pool-{i}"), timeout=10))
+            return "/".join(sorted({s for s, _ in statuses})), next((d for s, d in statuses if d), "")
+        return attack
+
+    def long_names(self) -> Attack:
         size = int(self.opts.name_mib * MIB)
-        status = await _call(self.c.memory.RegisterExecutor(memory_pb2.RegisterExecutorRequest(
+        register = self._raw("MemoryService", "RegisterExecutor", memory_pb2.RegisterExecutorRequest(
             info=memory_pb2.ExecutorPoolInfo(executor_id="i" * size, address="a" * size, num_blocks=16,
-                                             block_size=16, incarnation=1)), timeout=30))
-        beat = await _call(self.c.memory.Heartbeat(memory_pb2.HeartbeatRequest(executor_id="i" * size), timeout=30))
-        return f"{status[0]}/{beat[0]}", status[1] + " " + beat[1]
+                                             block_size=16, incarnation=1)))
+        beat = self._raw("MemoryService", "Heartbeat", memory_pb2.HeartbeatRequest(executor_id="i" * size))
 
-    async def request_id(self):
-        return await _generate(self.c.gateway, gateway_pb2.GenerateRequest(
-            prompt_token_ids=[5, 6, 7], request_id="r" * int(self.opts.request_id_mib * MIB),
-            sampling_params=common_pb2.SamplingParams(max_tokens=4)))
+        async def attack():
+            (s1, d1), (s2, d2) = await register(), await beat()
+            return f"{s1}/{s2}", f"{d1} {d2}"
+        return attack
 
-    async def foreign_abort(self, bystander_id: str):
-        if self.env.security is not None:
-            return "SKIPPED", "with one shared token every client is the same principal"
-        # A connection of its own (grpc shares subchannels between channels by default).
-        options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
-        async with grpc.aio.insecure_channel(self.env.stack.addresses.gateway, options=options) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-            reply = await stub.Abort(gateway_pb2.AbortRequest(request_id=bystander_id), timeout=10)
-            same_id = await _generate(stub, greedy_request([5, 6, 7], 2, request_id=bystander_id))
-        return ("FOUND" if reply.found else "NOT_FOUND") + f"/{same_id[0]}", same_id[1]
+    def request_id(self) -> Attack:
+        return self._generate(prompt_token_ids=[5, 6, 7], request_id="r" * int(self.opts.request_id_mib * MIB),
+                              sampling_params=common_pb2.SamplingParams(max_tokens=4))
+
+    def foreign_abort(self, bystander_id: str) -> Attack:
+        async def attack():
+            if self.env.security is not None:
+                return "SKIPPED", "with one shared token every client is the same principal"
+            # A connection of its own (grpc shares subchannels between channels by default).
+            options = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(self.env.stack.addresses.gateway, options=options) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                reply = await stub.Abort(gateway_pb2.AbortRequest(request_id=bystander_id), timeout=10)
+
+                async def same_id():
+                    async for _ in stub.Generate(greedy_request([5, 6, 7], 2, request_id=bystander_id), timeout=60):
+                        pass
+                status, details = await _call(same_id())
+            return ("FOUND" if reply.found else "NOT_FOUND") + f"/{status}", details
+        return attack
 
 
 # case -> the statuses that are right for it
@@ -254,32 +272,33 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
                                on_first=on_first)
         return out, time.perf_counter() - t0
 
-    alone = []
-    for i in range(2):
-        out, took = await bystander(f"abuse-alone-{i}")
+    async def alone(name: str) -> float:
+        """The bystander undisturbed, right before each case: the machine's load drifts."""
+        out, took = await bystander(f"abuse-alone-{name}")
         result.record(out.status)
         env.check_output(result, prompt, opts.bystander_tokens, out)
-        alone.append(took)
-    baseline_s = min(alone)
-    result.figures["bystander_alone_s"] = round(baseline_s, 3)
+        return took
+
+    await alone("warm-up")
     names = [n for n in EXPECTED if not opts.only or n in opts.only.split(",")]
     addresses = [env.stack.addresses.memory, env.stack.addresses.gateway, *env.stack.addresses.executors]
     cases: dict[str, dict] = {}
     for name in names:
+        baseline_s = await alone(name)
         done, streaming = asyncio.Event(), asyncio.Event()
-        attacks = _Cases(env, opts, executor_id, done)
+        cases_ = _Cases(env, opts, executor_id, done)
+        rid = f"abuse-bystander-{name}"
+        attack = cases_.foreign_abort(rid) if name == "foreign_abort" else getattr(cases_, name)()
         rss0 = {n: rss_bytes(p.pid)[0] for n, p in env.stack.procs.items()}
         logs0 = _log_bytes(env)
         peaks: dict[str, int] = {}
         stop = asyncio.Event()
         sampler = asyncio.ensure_future(_sample_rss(env, peaks, stop))
-        rid = f"abuse-bystander-{name}"
         task = asyncio.ensure_future(bystander(rid, streaming.set))
         task.add_done_callback(lambda _t, done=done: done.set())
         await asyncio.wait_for(streaming.wait(), opts.case_timeout_s)
-        attack = attacks.foreign_abort(rid) if name == "foreign_abort" else getattr(attacks, name)()
         try:
-            status, details = await asyncio.wait_for(attack, opts.case_timeout_s)
+            status, details = await asyncio.wait_for(attack(), opts.case_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a case that breaks is reported, the drill goes on
             status, details = type(exc).__name__, str(exc)
         out, took = await asyncio.wait_for(task, opts.case_timeout_s * 2)
@@ -289,6 +308,8 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
         after = await _executors(env)
         figures = {
             "status": status,
+            "bystander_alone_s": round(baseline_s, 3),
+            "bystander_s": round(took, 3),
             "bystander_slowdown": round(took / baseline_s, 2),
             "rss_growth_mib": {n: round(max(0, peaks.get(n, 0) - rss0[n]) / MIB, 1) for n in rss0},
             "log_bytes": {n: size - logs0.get(n, 0) for n, size in _log_bytes(env).items()},

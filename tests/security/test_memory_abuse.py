@@ -159,7 +159,9 @@ async def test_a_stalled_service_does_not_reap_a_healthy_executor():
 
         beating = asyncio.ensure_future(heartbeats())
         await asyncio.sleep(0.3)
-        time.sleep(1.0)  # the service's loop (this one) stalls for five leases (three expire an executor): no heartbeat is read
+        # The service's loop (this one) stalls for five leases (three expire an
+        # executor): no heartbeat is read meanwhile.
+        time.sleep(1.0)
         await asyncio.sleep(0.5)
         beating.cancel()
         assert "e" in server.state.manager.executors
