@@ -85,7 +85,7 @@ def test_abuse(env):
     (3x: this machine is shared; the stalls were 10-20x), no growth, no leak."""
     summary = assert_ok(run_drill(env, "abuse", bystander_tokens=48, score_copies=20_000, prompt_mib=1.0,
                                   stop_strings=100_000, stop_token_ids=200_000, watchers=24, fork_children=20_000,
-                                  registers=2, name_mib=0.25, request_id_mib=0.5, max_slowdown=3.0))
+                                  registers=2, name_mib=0.25, request_id_mib=0.5, repeats=1, max_slowdown=3.0))
     cases = summary["figures"]["cases"]
     assert set(cases) == {"score_prefix", "silent_executor", "huge_prompt", "stop_strings", "stop_token_ids",
                           "watchers", "fork_children", "register_pools", "long_names", "request_id",
