@@ -34,6 +34,14 @@ class Submission:
     skip_special_tokens: bool = False
 
 
+def utf8_size(text: str) -> int:
+    """UTF-8 bytes of ``text``, without a copy when it is ASCII (a flag CPython
+    keeps): an oversized prompt must not cost another copy of itself to be refused."""
+    if text.isascii():
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
 class Frontend:
     def __init__(self, engine, router, tokenizer) -> None:
         self.engine = engine
@@ -68,7 +76,8 @@ class Frontend:
 
     async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Tokenize a text prompt, its size checked first."""
-        self.check_text_bytes(len(text.encode("utf-8", "surrogatepass")), param)
+        self.check_text_bytes(len(text), param)  # a lower bound: no copy of a text too long in characters
+        self.check_text_bytes(utf8_size(text), param)
         return await self.off_loop(lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
 
     async def prompt_ids(self, text: str | None, token_ids: list[int] | None,

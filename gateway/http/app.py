@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
-from gateway.frontend import Frontend, Submission
+from gateway.frontend import Frontend, Submission, utf8_size
 from gateway.http import protocol
 from gateway.http.chat import ChatTemplate
 from gateway.http.errors import HttpError, bad_request, from_domain, model_not_found
@@ -115,8 +115,7 @@ def make_app(ctx: HttpContext) -> FastAPI:
 
     async def encode_chat(messages: list[dict], add_generation_prompt: bool, **kwargs) -> list[int]:
         """Render and tokenize off the loop, the text's size checked before each."""
-        frontend.check_text_bytes(sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass"))
-                                      for m in messages), "messages")
+        frontend.check_text_bytes(sum(utf8_size(str(m.get("content") or "")) for m in messages), "messages")
         text = await frontend.off_loop(chat.render, messages, add_generation_prompt,
                                        **{k: v for k, v in kwargs.items() if k != "add_special_tokens"})
         return await frontend.encode(text, kwargs.get("add_special_tokens", False), param="messages")
@@ -144,8 +143,9 @@ def make_app(ctx: HttpContext) -> FastAPI:
 
     async def generate(common: protocol.Common, prompt_ids: list[list[int]], renderer: Renderer,
                        prefixes: dict[int, str]) -> Response:
-        subs = [Submission(ids, common.params, request_id=f"{renderer.id}-{i}", owner="http", priority=common.priority,
-                           cache_salt=common.cache_salt, skip_special_tokens=common.skip_special_tokens)
+        subs = [Submission(ids, common.params, request_id=f"{renderer.id}-{i}", owner="http",
+                           priority=common.priority, cache_salt=common.cache_salt,
+                           skip_special_tokens=common.skip_special_tokens)
                 for i, ids in enumerate(prompt_ids)]
         reqs = await admit(subs)
         streams = [frontend.stream(r) for r in reqs]
@@ -180,9 +180,7 @@ def make_app(ctx: HttpContext) -> FastAPI:
         check_model(req.common.model)
         frontend.check_ready()
         try:
-            if sum(len(p) for p in req.prompts if isinstance(p, str)) > 0:  # all of them together
-                frontend.check_text_bytes(sum(len(p.encode("utf-8", "surrogatepass")) for p in req.prompts
-                                              if isinstance(p, str)))
+            frontend.check_text_bytes(sum(utf8_size(p) for p in req.prompts if isinstance(p, str)))  # together
             ids = [await frontend.prompt_ids(p, None) if isinstance(p, str) else await frontend.prompt_ids(None, p)
                    for p in req.prompts]
             n = req.common.params.n
