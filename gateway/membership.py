@@ -100,8 +100,9 @@ class Executors:
             try:
                 self.listed(await self.memory.list_executors())
                 self._on_join()
-            except KvpagerError as exc:
-                warnings.log(log.warning, "refresh", "executor refresh failed", error=clip(exc.message))
+            except Exception as exc:  # noqa: BLE001 - the refresh task must outlive any one listing
+                warnings.log(log.warning, "refresh", "executor refresh failed",
+                             error=clip(exc.message if isinstance(exc, KvpagerError) else repr(exc)))
 
     def listed(self, pools: list[memory_pb2.ExecutorPoolInfo]) -> None:
         """A new listing (the refresh task): applied by the loop's next ``apply``;
@@ -124,7 +125,7 @@ class Executors:
         ex = ExecutorClient(pool, tls=self._tls, token=self._token)
         try:
             await ex.load_info(self.info_timeout_s)
-        except (KvpagerError, asyncio.TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - unreachable, refused, malformed: retried later either way
             delay = min(self._retry.get(key, (0.0, BACKOFF_FIRST_S / 2))[1] * 2, BACKOFF_MAX_S)
             self._retry[key] = (time.monotonic() + delay, delay)
             self._warnings.log(log.warning, key, "executor unreachable", executor_id=clip(pool.executor_id),

@@ -160,6 +160,9 @@ async def test_an_executor_that_never_answers_does_not_stall_the_loop(stack):
     executor_pb2_grpc.add_ExecutorServiceServicer_to_server(silent, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    t0 = time.perf_counter()
+    outs = [r async for r in stack.gw.Generate(req(max_tokens=30, ignore_eos=True), timeout=60)]
+    alone = time.perf_counter() - t0  # the same request undisturbed, on this machine now
     info = memory_pb2.ExecutorPoolInfo(executor_id="silent", address=f"127.0.0.1:{port}", num_blocks=8,
                                        block_size=4, model_id="m", incarnation=1)
     await stack.mem.RegisterExecutor(memory_pb2.RegisterExecutorRequest(info=info))
@@ -170,8 +173,8 @@ async def test_an_executor_that_never_answers_does_not_stall_the_loop(stack):
         outs = [r async for r in stack.gw.Generate(req(max_tokens=30, ignore_eos=True), timeout=60)]
         took = time.perf_counter() - t0
         assert sum(len(r.token_ids) for r in outs) == 30
-        # Before: each refresh awaited the silent GetInfo (10 s) inside the engine loop.
-        assert took < 4.0, took
+        # Before: each refresh awaited the silent GetInfo (10 s) inside the engine loop: 19.8 s.
+        assert took < 2 * alone + 1.0, (took, alone)
         assert "silent" not in stack.gateway.engine.executors
         calls = silent.calls
         await asyncio.sleep(1.0)  # backoff: not asked again at every 0.2 s refresh
