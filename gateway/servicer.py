@@ -5,8 +5,12 @@ API), validation gateway.params', scheduling the engine's."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
-from kvpager.errors import Unavailable
+import structlog
+
+from kvpager.errors import InvalidArgument, Unavailable
+from kvpager.interceptor import client_request_id
 from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway.frontend import Frontend, Submission
 from gateway.params import RawParams
@@ -44,12 +48,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request, context):
         frontend = self.frontend
+        # The client's id names the request everywhere (Abort, logs): the body's, else the header's.
+        request_id = request.request_id or client_request_id(context.invocation_metadata()) or uuid.uuid4().hex
+        if len(request_id) > 128 or not request_id.isprintable():
+            raise InvalidArgument("request_id must be at most 128 printable characters", param="request_id")
+        structlog.contextvars.bind_contextvars(request_id=request_id)
         frontend.check_ready()
         prompt_ids = frontend.prompt_ids(request.prompt, list(request.prompt_token_ids))
         remaining = context.time_remaining()
         deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
         req = await frontend.submit(Submission(prompt_ids, raw_params(request.sampling_params),
-                                               request_id=request.request_id, priority=request.priority,
+                                               request_id=request_id, priority=request.priority,
                                                cache_salt=request.cache_salt, deadline=deadline,
                                                skip_special_tokens=request.skip_special_tokens))
         try:

@@ -636,11 +636,13 @@ class InProcessStack:
 async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 96, block_size: int = 4,
                            swap_blocks: int = 64, swap_min_tokens: int = 256, redis_url: str | None = None,
                            http: dict | None = None, gateway_kw: dict | None = None,
+                           metrics: bool = False, memory_kw: dict | None = None,
                            **engine_kw) -> InProcessStack:
     """Memory service, ``executors`` executors and a gateway (EngineConfig ``engine_kw``) in this
     process; returns once the gateway routes to every executor. ``http``: serve the HTTP API
-    on a free port (HttpConfig fields; ``gateway.http_url``), else none; ``gateway_kw``: more
-    GatewayConfig fields."""
+    on a free port (HttpConfig fields; ``gateway.http_url``), else none; ``gateway_kw``,
+    ``memory_kw``: more GatewayConfig / MemoryConfig fields; ``metrics``: every service serves
+    /metrics on a free port (``<server>.runtime.metrics_port``)."""
     import asyncio
 
     from executor_service.config import ExecutorConfig
@@ -650,17 +652,20 @@ async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 
     from gateway.service import GatewayConfig, GatewayServer
     from memory_service.service import MemoryConfig, MemoryServer
 
-    memory = await MemoryServer(MemoryConfig(port=0, swap_min_tokens=swap_min_tokens, redis_url=redis_url)).start()
+    mport = 0 if metrics else None
+    memory = await MemoryServer(MemoryConfig(port=0, swap_min_tokens=swap_min_tokens, redis_url=redis_url,
+                                             metrics_port=mport, **(memory_kw or {}))).start()
     exs = []
     for i in range(executors):
         exs.append(await start_executor_server(ExecutorConfig(
             model=model, executor_id=f"executor-{i}", memory_address=memory.address, num_blocks=num_blocks,
-            block_size=block_size, swap_blocks=swap_blocks)))
+            block_size=block_size, swap_blocks=swap_blocks, metrics_port=mport)))
     engine_kw.setdefault("executor_refresh_s", 0.2)
     http_config = HttpConfig(**{"port": 0, **http}) if http is not None else None
     gateway = await GatewayServer(GatewayConfig(model=model, memory_address=memory.address, port=0,
                                                 redis_url=redis_url, engine=EngineConfig(**engine_kw),
-                                                http=http_config, **(gateway_kw or {}))).start()
+                                                http=http_config, metrics_port=mport,
+                                                **(gateway_kw or {}))).start()
     await gateway.wait_ready(30)
     while len(gateway.engine.executors) < executors:
         await asyncio.sleep(0.05)

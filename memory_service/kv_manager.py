@@ -50,6 +50,8 @@ class Counters:
     preemptions_recompute: int = 0
     preemptions_swap: int = 0
     cow_copies: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -297,6 +299,7 @@ class ExecutorKV:
         seq.num_cached_blocks = 0
         seq.status = SeqStatus.SWAPPED
         self.counters.preemptions_swap += 1
+        self.counters.swapped_out_blocks += len(cpu)
 
     def swap_in(self, seq: Sequence, k: int) -> bool:
         """Bring a SWAPPED sequence back with room for k more tokens."""
@@ -308,6 +311,7 @@ class ExecutorKV:
         self.ops.swap_in_src.extend(seq.swap_blocks)
         self.ops.swap_in_dst.extend(b.block_id for b in blocks[:n])
         self.ops.deferred_swap_free.extend(seq.swap_blocks)
+        self.counters.swapped_in_blocks += n
         seq.swap_blocks = []
         seq.blocks = blocks
         seq.block_ids = array("i", [b.block_id for b in blocks])

@@ -27,6 +27,7 @@ class MemoryConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     lease_s: float = 5.0
     swap_min_tokens: int = 256
     grace_s: float = 5.0
@@ -64,7 +65,8 @@ class MemoryServer:
         from kvpager.security import memory_auth
 
         self.runtime = ServiceRuntime("memory", host=config.host, port=config.port,
-                                      metrics_port=config.metrics_port, grace_s=config.grace_s, tls=config.tls,
+                                      metrics_port=config.metrics_port, metrics_host=config.metrics_host,
+                                      grace_s=config.grace_s, tls=config.tls,
                                       auth=memory_auth(config.admin_token, config.open_read_only))
         self.runtime.add(memory_pb2_grpc.add_MemoryServiceServicer_to_server,
                          MemoryServicer(self.state, max_pool_blocks=config.max_pool_blocks), SERVICE_NAME)

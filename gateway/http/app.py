@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
@@ -71,8 +73,25 @@ async def read_json(request: Request, limit: int):
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID = 128
+
+
+def request_id_of(request: Request, common: protocol.Common) -> str:
+    """The client's id for the request: the body's ``request_id``, else the
+    ``X-Request-Id`` header, else a fresh one. It names the request in the
+    engine (``Abort``), in every log line and in the response (``id``, header)."""
+    rid = common.request_id or request.headers.get(REQUEST_ID_HEADER, "") or uuid.uuid4().hex
+    if len(rid) > MAX_REQUEST_ID or not rid.isprintable() or not rid.isascii():
+        raise bad_request(f"request_id must be at most {MAX_REQUEST_ID} printable ASCII characters", "request_id")
+    request.state.request_id = rid
+    structlog.contextvars.bind_contextvars(request_id=rid)
+    return rid
+
+
 class _CountRequests:
-    """ASGI middleware: kvpager_gateway_http_requests_total by route and status."""
+    """ASGI middleware: kvpager_gateway_http_requests_total by route and status;
+    echoes the request's id (``request_id_of``) as ``X-Request-Id``."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -86,10 +105,15 @@ class _CountRequests:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                rid = scope.get("state", {}).get("request_id")
+                if rid:
+                    message = {**message, "headers": [*message.get("headers", ()),
+                                                      (REQUEST_ID_HEADER.encode(), rid.encode())]}
             await send(message)
 
         try:
-            await self.app(scope, receive, counted)
+            with structlog.contextvars.bound_contextvars():  # request_id_of binds the id for this request only
+                await self.app(scope, receive, counted)
         finally:
             path = scope.get("path", "")
             metrics.HTTP_REQUESTS.labels(path if path in ROUTES else "other", str(status)).inc()
@@ -135,8 +159,10 @@ def make_app(ctx: HttpContext) -> FastAPI:
         return release
 
     async def generate(common: protocol.Common, prompt_ids: list[list[int]], renderer: Renderer,
-                       prefixes: dict[int, str]) -> Response:
-        subs = [Submission(ids, common.params, request_id=f"{renderer.id}-{i}", priority=common.priority,
+                       prefixes: dict[int, str], request_id: str) -> Response:
+        # One prompt: the client's id itself (so Abort and the logs find it); several: id-0, id-1, ...
+        ids_of = [request_id] if len(prompt_ids) == 1 else [f"{request_id}-{i}" for i in range(len(prompt_ids))]
+        subs = [Submission(ids, common.params, request_id=ids_of[i], priority=common.priority,
                            cache_salt=common.cache_salt, skip_special_tokens=common.skip_special_tokens)
                 for i, ids in enumerate(prompt_ids)]
         reqs = await admit(subs)
@@ -171,17 +197,18 @@ def make_app(ctx: HttpContext) -> FastAPI:
         req = protocol.completion_request(await read_json(request, ctx.max_body_bytes))
         check_model(req.common.model)
         frontend.check_ready()
+        rid = request_id_of(request, req.common)
         try:
             ids = [frontend.prompt_ids(p, None) if isinstance(p, str) else frontend.prompt_ids(None, p)
                    for p in req.prompts]
             n = req.common.params.n
-            renderer = Renderer(False, ctx.served_model_name, token_text, n)
+            renderer = Renderer(False, ctx.served_model_name, token_text, n, rid)
             prefixes = {}
             if req.echo:
                 for i, p in enumerate(req.prompts):
                     text = p if isinstance(p, str) else tokenizer.decode(p)
                     prefixes.update({i * n + j: text for j in range(n)})
-            return await generate(req.common, ids, renderer, prefixes)
+            return await generate(req.common, ids, renderer, prefixes, rid)
         except KvpagerError as exc:
             if exc.param in _COMPLETION_PARAMS:
                 exc.param = _COMPLETION_PARAMS[exc.param]
@@ -193,9 +220,10 @@ def make_app(ctx: HttpContext) -> FastAPI:
         req = protocol.chat_request(await read_json(request, ctx.max_body_bytes))
         check_model(req.common.model)
         frontend.check_ready()
+        rid = request_id_of(request, req.common)
         ids = chat.encode(req.messages, req.add_generation_prompt, **req.template_kwargs)
-        renderer = Renderer(True, ctx.served_model_name, token_text, req.common.params.n)
-        return await generate(req.common, [ids], renderer, {})
+        renderer = Renderer(True, ctx.served_model_name, token_text, req.common.params.n, rid)
+        return await generate(req.common, [ids], renderer, {}, rid)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -234,7 +262,7 @@ def make_app(ctx: HttpContext) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():
@@ -243,6 +271,8 @@ def make_app(ctx: HttpContext) -> FastAPI:
     # ---- errors -------------------------------------------------------------------------------
 
     def error_response(err: HttpError) -> JSONResponse:
+        if err.status != 404:
+            log.info("http request failed", status=err.status, error=err.message)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(HttpError)
