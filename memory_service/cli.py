@@ -21,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$KVPAGER_REDIS_USERNAME / $KVPAGER_REDIS_PASSWORD")
     p.add_argument("--max-pool-blocks", type=int, default=1 << 22,
                    help="RegisterExecutor refuses pools (device or swap) larger than this many blocks")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the live block map (and /metrics, /health) over HTTP here (0: any free port; "
+                        "default: none)")
+    p.add_argument("--http-host", default=None, help="the block map's listen address (default: --host)")
     from kvpager.security import add_security_arguments
     from kvpager.telemetry import add_observability_arguments
 
@@ -35,7 +39,8 @@ def config_from_args(args: argparse.Namespace):
 
     security = security_from_args(args)
     return MemoryConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                        metrics_host=args.metrics_host, lease_s=args.lease_s,
+                        metrics_host=args.metrics_host, http_port=args.http_port,
+                        http_host=args.http_host or args.host, lease_s=args.lease_s,
                         swap_min_tokens=args.swap_min_tokens, grace_s=args.grace_s,
                         redis_url=getattr(args, "redis_url", None), tls=security.server_tls(),
                         client_tls=security.client_tls(), admin_token=security.admin_token,

@@ -12,11 +12,12 @@ a ``TableChanges`` (``memory_service.changes``).
 from __future__ import annotations
 
 import secrets
+from collections import deque
 from array import array
 from dataclasses import dataclass
 
 from memory_service.block import Block
-from memory_service.block_pool import BlockPool, SwapPool
+from memory_service.block_pool import RECENT_OPS, BlockPool, SwapPool
 from memory_service.changes import CacheOpsBuilder, TableChanges
 from memory_service.events import EventQueue
 from memory_service.policy import EvictionPolicy
@@ -79,6 +80,8 @@ class ExecutorKV:
         # be handed out again (say to a swap-in, after its last other holder is
         # preempted) until the step's ops are taken.
         self._copy_pins: dict[Block, int] = {}
+        # The last copy-on-write destinations (the block map flashes those since its last frame).
+        self.recent_copies: deque[int] = deque(maxlen=RECENT_OPS)
 
     # ---- prefix index -------------------------------------------------------
 
@@ -182,6 +185,7 @@ class ExecutorKV:
                 blocks[i] = new
                 seq.block_ids[i] = new.block_id
                 self.counters.cow_copies += 1
+                self.recent_copies.append(new.block_id)
             need -= len(shared)
         if need > 0:
             fresh = pool.allocate(need)

@@ -11,7 +11,7 @@ executor starts again from 0, which Prometheus' ``rate`` reads as a reset).
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -121,3 +121,8 @@ class _CollectorSet(Collector):
 
 
 COLLECTORS = _CollectorSet()
+
+BLOCKMAP_VIEWERS = Gauge("kvpager_blockmap_viewers", "Block map streams open now.", registry=REGISTRY)
+BLOCKMAP_UPDATE_BYTES = Histogram("kvpager_blockmap_update_bytes", "Bytes of one block map update (JSON).",
+                                  registry=REGISTRY,
+                                  buckets=(256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304))
