@@ -157,6 +157,15 @@ async def test_every_service_exposes_its_families_with_the_right_types_after_loa
     assert value(mem, "kvpager_kv_cached_evictable_blocks") == acc.cached_blocks
     assert value(mem, "kvpager_kv_swapped_blocks", "_total", direction="out") == acc.swapped_out_blocks
     assert value(mem, "kvpager_num_preemptions", "_total", mode="swap") == acc.preemptions_swap
+    # every family docs/metrics.md names is exposed (the mirror's need Redis: tests/mirror)
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    documented = {n.removesuffix("_total") for n in re.findall(r"`(kvpager_[a-z0-9_]+)", doc)
+                  if not n.endswith("_") and not n.startswith("kvpager_mirror_")}
+    exposed = {name for fams in scraped.values() for name in fams}
+    assert documented - exposed == set()
     # the gateway's HTTP /metrics is the same registry as its metrics port
     async with httpx.AsyncClient(base_url=stack.gateway.http_url) as http:
         assert "kvpager_time_to_first_token_seconds_bucket" in (await http.get("/metrics")).text
