@@ -16,6 +16,9 @@ transformers' own ``generate`` (greedy, eager, fixed length); in bfloat16 each
 engine's agreement with transformers' bfloat16 ``generate`` (random weights
 give nearly flat logits, so bf16 rounding flips tokens: compare bf16 with
 bf16), as whole-sequence matches and the mean length of the matching prefix.
+
+``--online``: vLLM's OpenAI-compatible server against kvpager's HTTP API,
+driven by the same client (``compare_vllm_online.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="transformers reference on the first N prompts (default: all for llama-30m, 8 otherwise)")
     p.add_argument("--max-batch-tokens", type=int, default=0, help="gateway per-step token budget (0: default)")
     p.add_argument("--max-running", type=int, default=0, help="gateway sequences per step (0: default)")
+    p.add_argument("--online", action="store_true",
+                   help="vLLM's OpenAI server vs kvpager's HTTP API, the same streaming client (no parity)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
 
@@ -197,9 +202,16 @@ def _main(args: argparse.Namespace) -> int:
     if parity is None:
         parity = args.num_prompts if args.model == "llama-30m" else 8
     t0 = time.perf_counter()
-    result = compare(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats, vllm_python=python,
-                     vllm_timeout_s=args.vllm_timeout_s, parity_sample=parity,
-                     max_batch_tokens=args.max_batch_tokens, max_running=args.max_running)
+    if args.online:
+        from kvpager_tools.bench.compare_vllm_online import compare_online
+
+        result = compare_online(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
+                                vllm_python=python, vllm_timeout_s=args.vllm_timeout_s,
+                                max_batch_tokens=args.max_batch_tokens, max_running=args.max_running)
+    else:
+        result = compare(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
+                         vllm_python=python, vllm_timeout_s=args.vllm_timeout_s, parity_sample=parity,
+                         max_batch_tokens=args.max_batch_tokens, max_running=args.max_running)
     from kvpager_tools.bench.serve import machine
 
     result["machine"] = machine()

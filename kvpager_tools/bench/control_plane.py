@@ -143,7 +143,11 @@ async def _measure(memory_address: str, executor_address: str, batches: list[int
         for context in contexts:
             for batch in batches:
                 drv = _Driver(memory, executor, pool.executor_id, pool.incarnation)
-                prefix_len = context - decode_steps - 16
+                # The longest sequence reaches ``context`` tokens: 8 after the
+                # prefix, one per step of the 2 * decode_steps (timed and paced).
+                prefix_len = context - 2 * decode_steps - 8
+                if prefix_len < 1:
+                    raise ValueError(f"context {context} is too short for {decode_steps} decode steps")
                 prefix = [rng.randrange(token_lo, token_hi) for _ in range(prefix_len)]
                 ids = list(range(next_id, next_id + batch))
                 next_id += batch
@@ -160,6 +164,8 @@ async def _measure(memory_address: str, executor_address: str, batches: list[int
                                                 echo=health if i % 2 else None)
                     (paced if i % 2 else figures).append(f)
                 await memory.Free(memory_pb2.FreeRequest(seq_ids=ids), timeout=30)
+                reached = max(len(t) for t in drv.tokens.values())
+                assert reached == context, (reached, context)  # the figures are for the context reported
                 med = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
                 control = med["step_us"] + med["execute_overhead_us"]
                 paced_mem = statistics.median(p["memory"] for p in paced)

@@ -10,6 +10,10 @@ imports nothing of kvpager; vLLM is not a dependency of kvpager):
 
 prompts.json: a JSON list of token-id lists, e.g. [[17, 523, ...], ...].
 
+With ``--serve-port PORT`` (no prompts) it becomes vLLM's OpenAI-compatible
+server on 127.0.0.1:PORT instead, with the same environment and engine
+settings (the online side of ``compare-vllm --online``).
+
 Prints exactly ONE JSON line on stdout:
     {"tok_s": [per round], "outputs": [[ids] per prompt, last round],
      "settings": {...}, "load_avg": {...}, "wall_s": [...], ...}
@@ -104,7 +108,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "auto"))
-    p.add_argument("--prompts-json", required=True, help="file with a JSON list of token-id lists")
+    p.add_argument("--prompts-json", default=None, help="file with a JSON list of token-id lists")
+    p.add_argument("--serve-port", type=int, default=None,
+                   help="run vLLM's OpenAI-compatible server on 127.0.0.1:PORT instead of an offline run")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (ignore_eos)")
     p.add_argument("--rounds", type=int, default=3, help="measured rounds (after warm-up)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up generate calls (not measured)")
@@ -156,9 +162,32 @@ def maybe_reexec(args) -> None:
     os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + sys.argv[1:], env)
 
 
+def serve(args) -> int:
+    """exec vLLM's OpenAI server with the settings an offline run uses."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+           "--port", str(args.serve_port), "--model", args.model, "--dtype", args.dtype,
+           "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+           "--seed", str(args.seed), "--skip-tokenizer-init"]
+    if not args.prefix_caching:
+        cmd.append("--no-enable-prefix-caching")
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    log(f"serving: {' '.join(cmd[1:])}")
+    sys.stdout.flush()
+    os.execve(sys.executable, cmd, dict(os.environ))
+    return 1  # not reached
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     maybe_reexec(args)
+    if args.serve_port is not None:
+        return serve(args)
+    if not args.prompts_json:
+        print(json.dumps({"error": "--prompts-json is required (or --serve-port)"}))
+        return 1
 
     # Keep stdout for the single JSON line; everything else (including C++
     # prints and the engine-core subprocess) goes to stderr.

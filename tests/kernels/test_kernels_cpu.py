@@ -151,3 +151,16 @@ def test_silu_mul(dtype):
     g = torch.Generator().manual_seed(3)
     gu = (4 * torch.randn(9, 2 * 300, generator=g)).to(dtype)
     _close(torch.ops.kvpager_cpu.silu_mul(gu), FR.silu_mul(gu), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_special_values(dtype):
+    """NaN, infinities, signed zeros and huge values go through as torch's ops take them."""
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e30, -1e30, 88.0, -88.0, 1e-30])
+    gate = special.repeat(40)[:, None].expand(-1, 37).reshape(8, -1)  # odd widths: vector tails too
+    up = torch.linspace(-3, 3, gate.numel()).reshape(gate.shape)
+    gu = torch.cat([gate, up], dim=1).to(dtype)
+    got, want = torch.ops.kvpager_cpu.silu_mul(gu), FR.silu_mul(gu)
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.float(), want.float(), equal_nan=True,
+                               **({} if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)))

@@ -110,7 +110,7 @@ def test_overhead(stack, model):
     from kvpager_tools.bench.overhead import measure
 
     result = measure(model, [2], prompt_len=16, output_len=12, repeats=1, stack=stack, contexts=[64],
-                     control_steps=4)
+                     control_steps=4)  # the sequences end at exactly 64 tokens (the bench checks)
     (cp,) = result["control_plane"]
     assert (cp["batch"], cp["context"], cp["steps"]) == (2, 64, 4)
     assert cp["control_us"] == pytest.approx(cp["step_us"] + cp["execute_overhead_us"], abs=0.5)

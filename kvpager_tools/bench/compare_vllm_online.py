@@ -1,0 +1,128 @@
+"""`kvpager bench compare-vllm --online`: vLLM's OpenAI-compatible server
+against `kvpager up`'s, driven by the same client (`kvpager bench serve`'s
+load generator, streamed /v1/completions with token-id prompts, greedy,
+fixed length), same checkpoint, same prompts, one run.
+
+vLLM serves from its own virtual environment (``vllm_runner.py
+--serve-port``: the offline run's environment and engine settings); kvpager
+is the full stack with its HTTP API. Each engine gets a warm-up (the whole
+workload once) and ``repeats`` timed rounds, all requests sent at once; the
+other engine is not running meanwhile. Reported per engine: output tokens
+per second (medians), time to first token, time per output token and
+end-to-end latency (medians over requests, median over rounds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from kvpager_tools.bench import common as bc
+from kvpager_tools.ports import free_port
+
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+NAME = "compare-vllm"
+
+
+@contextlib.contextmanager
+def vllm_server(python: Path, model: str, dtype: str, *, max_model_len: int, max_num_seqs: int,
+                timeout_s: float = 600.0):
+    """vLLM's OpenAI server on a free loopback port; yields its base URL."""
+    port = free_port()
+    cmd = [str(python), str(RUNNER), "--serve-port", str(port), "--model", model, "--dtype", dtype,
+           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
+    bc.progress(NAME, f"vLLM server: {' '.join(cmd[1:])}")
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {proc.returncode} before it served")
+            try:
+                with urllib.request.urlopen(base + "/v1/models", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM's server did not serve within {timeout_s:g} s")
+            time.sleep(1.0)
+        yield base
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+
+
+def _rounds(base_url: str, requests: list[bc.BenchRequest], repeats: int, label: str) -> list[dict]:
+    import asyncio
+
+    target = bc.Target(backend="openai", base_url=base_url)
+    asyncio.run(bc.run_load(target, requests, ignore_eos=True, cache_salt=f"{label}-warmup"))
+    rounds = []
+    for r in range(repeats):
+        bc.progress(NAME, f"{label} online round {r + 1}/{repeats}")
+        load = os.getloadavg()[0]
+        res = asyncio.run(bc.run_load(target, requests, ignore_eos=True, cache_salt=f"{label}-{r}"))
+        m = bc.load_metrics(res)
+        if m["failed"]:
+            raise RuntimeError(f"{label}: {m['failed']} requests failed: {m.get('errors')}")
+        rounds.append({"wall_s": m["duration_s"], "tok_s": m["output_throughput"], "loadavg_1m": load,
+                       "output_tokens": m["output_tokens"], "ttft_ms": m["ttft_ms"]["median"],
+                       "tpot_ms": m["tpot_ms"]["median"], "e2e_ms": m["e2e_ms"]["median"]})
+    return rounds
+
+
+def _summary(rounds: list[dict]) -> dict:
+    return {k: round(statistics.median(r[k] for r in rounds), 2) for k in ("tok_s", "ttft_ms", "tpot_ms", "e2e_ms")
+            if all(r[k] is not None for r in rounds)}
+
+
+def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
+                   vllm_python: Path, vllm_timeout_s: float = 1800.0, max_batch_tokens: int = 0,
+                   max_running: int = 0) -> dict:
+    requests = [bc.BenchRequest(prompt_ids=p, max_tokens=max_new_tokens) for p in prompts]
+    total = len(prompts) * max_new_tokens
+    max_len = max(512, max(len(p) for p in prompts) + max_new_tokens + 1)
+    with vllm_server(vllm_python, model, dtype, max_model_len=max_len, max_num_seqs=max(32, len(prompts)),
+                     timeout_s=vllm_timeout_s) as base:
+        vllm_rounds = _rounds(base, requests, repeats, "vllm")
+    need_blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
+    opts = bc.StackOptions(model=model, dtype=dtype, num_blocks=max(256, need_blocks + 64),
+                           max_batch_tokens=max_batch_tokens, max_running=max_running)
+    bc.progress(NAME, f"kvpager: starting the stack with its HTTP API ({dtype})")
+    with bc.embedded_stack(opts) as stack:
+        kv_rounds = _rounds(stack.addresses.http, requests, repeats, "kvpager")
+    for label, rounds in (("vllm", vllm_rounds), ("kvpager", kv_rounds)):
+        short = [r["output_tokens"] for r in rounds if r["output_tokens"] != total]
+        if short:
+            raise RuntimeError(f"{label}: generated {short} tokens in some rounds, expected {total}")
+    kv, vl = _summary(kv_rounds), _summary(vllm_rounds)
+    return {
+        "benchmark": NAME, "variant": "online", "model": model, "dtype": dtype, "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens, "input_len_mean": round(statistics.fmean(len(p) for p in prompts), 1),
+        "repeats": repeats, "kvpager_tok_s": kv["tok_s"], "vllm_tok_s": vl["tok_s"],
+        "ratio_vs_vllm": round(kv["tok_s"] / vl["tok_s"], 3),
+        "latency_ms": {"kvpager": {k: v for k, v in kv.items() if k != "tok_s"},
+                       "vllm": {k: v for k, v in vl.items() if k != "tok_s"}},
+        "rounds": {"kvpager": kv_rounds, "vllm": vllm_rounds},
+        "settings": {"client": "kvpager bench serve's load generator: streamed /v1/completions, token-id prompts, "
+                               "temperature 0, ignore_eos, every request at once",
+                     "kvpager": {"stack": "kvpager up defaults, HTTP API", "num_blocks": opts.num_blocks,
+                                 "max_batch_tokens": max_batch_tokens or "default",
+                                 "max_running": max_running or "default"},
+                     "vllm": {"server": "vllm.entrypoints.openai.api_server (vllm_runner.py --serve-port)",
+                              "max_model_len": max_len, "max_num_seqs": max(32, len(prompts)),
+                              "prefix_caching": False, "skip_tokenizer_init": True}},
+    }
