@@ -511,3 +511,41 @@ def test_configure_logging_is_idempotent(capsys):
     record = json.loads(lines[0])
     assert record["event"] == "once" and record["service"] == "second" and record["level"] == "warning"
     assert "timestamp" in record
+
+
+def test_log_format_console_renders_readable_lines_and_json_is_the_default(capsys):
+    from kvpager.telemetry import get_logger
+
+    try:
+        configure_logging("svc", log_format="console")
+        capsys.readouterr()
+        get_logger("t").info("request finished", request_id="r-1", e2e_ms=12.5)
+        line = capsys.readouterr().err.strip()
+        assert "request finished" in line and "request_id=r-1" in line and not line.startswith("{")
+        with pytest.raises(ValueError, match="log format"):
+            configure_logging("svc", log_format="xml")
+    finally:
+        configure_logging("svc")
+    capsys.readouterr()
+    get_logger("t").info("hello")
+    assert json.loads(capsys.readouterr().err)["event"] == "hello"
+
+
+def test_service_flags_for_logs_and_metrics():
+    import argparse
+
+    from gateway.cli import add_arguments as gateway_args, config_from_args as gateway_config
+    from memory_service.cli import add_arguments as memory_args, config_from_args as memory_config
+
+    p = argparse.ArgumentParser()
+    memory_args(p)
+    cfg = memory_config(p.parse_args(["--metrics-port", "9101", "--metrics-host", "0.0.0.0", "--http-port", "8001"]))
+    assert (cfg.metrics_port, cfg.metrics_host, cfg.http_port, cfg.http_host) == (9101, "0.0.0.0", 8001, "127.0.0.1")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--log-format", "xml"])
+    g = argparse.ArgumentParser()
+    gateway_args(g)
+    gcfg = gateway_config(g.parse_args(["--model", "/m", "--metrics-host", "::", "--stats-interval-s", "2"]))
+    assert gcfg.metrics_host == "::" and gcfg.stats_interval_s == 2
+    with pytest.raises(ValueError, match="stats-interval-s"):
+        gateway_config(g.parse_args(["--model", "/m", "--stats-interval-s", "-1"]))

@@ -241,3 +241,25 @@ async def test_one_line_per_finished_request_under_the_clients_id(stack, capsys)
     assert any(r["generation_throughput_tps"] > 0 for r in stats)
     # the failed one: logged by the interceptor under the body's id
     assert any(r.get("request_id") == "too-long" for r in logs)
+
+
+async def test_request_ids_body_wins_over_header_and_bad_ids_are_refused(stack):
+    async with httpx.AsyncClient(base_url=stack.gateway.http_url) as http:
+        r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 3, "request_id": "chat-body-id"},
+                            headers={"X-Request-Id": "chat-header-id"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == "chatcmpl-chat-body-id" and r.headers["x-request-id"] == "chat-body-id"
+        for bad in ("x" * 129, "caf\u00e9", "a\nb"):
+            r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "request_id": bad},
+                                timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", bad
+        # two prompts in one request: <id>-0, <id>-1
+        r = await http.post("/v1/completions", json={"prompt": ["a b", "c d"], "max_tokens": 2},
+                            headers={"X-Request-Id": "pair"}, timeout=60)
+        assert r.status_code == 200 and r.json()["id"] == "cmpl-pair"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stream_generate(stack.gw, gateway_pb2.GenerateRequest(prompt="hi", request_id="y" * 200,
+                                                                    sampling_params={"max_tokens": 2}), timeout_s=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
+    await stack.wait_idle()
