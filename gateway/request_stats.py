@@ -120,7 +120,9 @@ class StatsLine:
         self.stats = stats
         self.accounting = accounting
         self.interval_s = interval_s
-        self._last: tuple[float, int, int, int, int] | None = None
+        # (time, prompt tokens, generation tokens, prefix queries, prefix hits) at the last line;
+        # the prefix counts are the memory service's, unknown until the first answer (0: since it started)
+        self._last = (time.perf_counter(), stats.num_prompt_tokens, stats.num_generation_tokens, 0, 0)
 
     async def run(self) -> None:
         while True:
@@ -143,8 +145,7 @@ class StatsLine:
         except KvpagerError as exc:
             kv = dict(kv_error=exc.message)
         now = time.perf_counter()
-        last = self._last or (now - self.interval_s, s.num_prompt_tokens, s.num_generation_tokens,
-                              kv.get("queries", 0), kv.get("hits", 0))
+        last = self._last
         dt = max(now - last[0], 1e-9)
         queries, hits = kv.pop("queries", last[3]), kv.pop("hits", last[4])
         line = dict(prompt_throughput_tps=round((s.num_prompt_tokens - last[1]) / dt, 1),

@@ -174,3 +174,7 @@ class SwapPool:
 
     def free(self, block_ids: Iterable[int]) -> None:
         self._free.extend(block_ids)
+
+    def free_ids(self) -> list[int]:
+        """The free swap block ids (operators: the block map)."""
+        return list(self._free)

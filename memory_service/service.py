@@ -162,7 +162,8 @@ class MemoryServer:
             self._reaper = None
         await self.runtime.stop(grace_s)
         if self.http is not None:
-            await self.http.stop(0)  # streams never end by themselves: none to wait for
+            self.http.app.state.closing.set()  # the block map's streams end at their next tick
+            await self.http.stop(1.0)
         if self.mirror is not None:
             await self.mirror.stop()
         self.state.close()

@@ -111,9 +111,8 @@ class _CountRequests:
                                                       (REQUEST_ID_HEADER.encode(), rid.encode())]}
             await send(message)
 
-        try:
-            with structlog.contextvars.bound_contextvars():  # request_id_of binds the id for this request only
-                await self.app(scope, receive, counted)
+        try:  # uvicorn runs each request in its own task: request_id_of's binding ends with it
+            await self.app(scope, receive, counted)
         finally:
             path = scope.get("path", "")
             metrics.HTTP_REQUESTS.labels(path if path in ROUTES else "other", str(status)).inc()

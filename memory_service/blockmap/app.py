@@ -41,10 +41,12 @@ def _dumps(body: dict) -> bytes:
 
 
 def make_app(state, *, token: str | None, serving: Callable[[], bool]) -> Starlette:
-    """``state``: the MemoryState; ``token``: required on /api (None: open)."""
+    """``state``: the MemoryState; ``token``: required on /api (None: open).
+    ``app.state.closing.set()`` ends every stream at its next tick (a stop)."""
     page = files("memory_service.blockmap").joinpath("static/index.html").read_bytes()
     expected = f"Bearer {token}".encode() if token else None
     cache = FrameCache()
+    closing = asyncio.Event()
 
     def denied(request: Request) -> JSONResponse | None:
         if expected is None:
@@ -80,10 +82,13 @@ def make_app(state, *, token: str | None, serving: Callable[[], bool]) -> Starle
             sub = Subscriber()
             BLOCKMAP_VIEWERS.inc()
             try:
-                while True:
+                while not closing.is_set():
                     t0 = time.perf_counter()
                     yield b"data: " + update(sub) + b"\n\n"
-                    await asyncio.sleep(max(0.0, interval_s - (time.perf_counter() - t0)))
+                    try:
+                        await asyncio.wait_for(closing.wait(), max(0.0, interval_s - (time.perf_counter() - t0)))
+                    except TimeoutError:
+                        pass
             finally:
                 BLOCKMAP_VIEWERS.dec()
 
@@ -118,4 +123,6 @@ def make_app(state, *, token: str | None, serving: Callable[[], bool]) -> Starle
 
     routes = [Route("/", index), Route("/api/frame", frame), Route("/api/stream", stream),
               Route("/api/sequences/{seq_id}", sequence), Route("/metrics", metrics), Route("/health", health)]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    app.state.closing = closing
+    return app

@@ -83,7 +83,7 @@ def pool_cells(kv: ExecutorKV) -> np.ndarray:
 
 def swap_cells(kv: ExecutorKV) -> np.ndarray:
     cells = np.ones(kv.swap.num_blocks, dtype=np.uint8)
-    free = kv.swap._free  # the swap pool's free list: plain ids
+    free = kv.swap.free_ids()
     if free:
         cells[np.asarray(free, dtype=np.int64)] = 0
     return cells
