@@ -88,7 +88,24 @@ class StackConfig:
         """A copy where every port given as 0 is replaced by one free right now."""
         return self._fill_ports(lambda port: port == 0)
 
+    def ports(self) -> list[int]:
+        """Every port the stack listens on (None-valued ones left out)."""
+        out = [self.memory_port, self.gateway_port, self.http_port, self.blockmap_port,
+               *range(self.executor_base_port, self.executor_base_port + self.num_executors)]
+        if self.metrics_base_port is not None:
+            out += range(self.metrics_base_port, self.metrics_base_port + 2 + self.num_executors)
+        return [p for p in out if p is not None]
+
     def _fill_ports(self, replace) -> StackConfig:
+        # Ports found free one at a time may coincide (each probe closes before the next): retry until distinct.
+        for _ in range(20):
+            filled = self._fill_once(replace)
+            ports = [p for p in filled.ports() if p]
+            if len(ports) == len(set(ports)):
+                return filled
+        return filled
+
+    def _fill_once(self, replace) -> StackConfig:
         num_metrics = 2 + self.num_executors
         mbase = self.metrics_base_port
         return dataclasses.replace(
