@@ -210,3 +210,22 @@ async def test_the_admin_token_guards_the_data_as_it_guards_the_read_only_rpcs(o
                 assert good.status_code in (200, 404)
     finally:
         await server.stop(0)
+
+
+async def test_the_page_asks_for_the_admin_token_and_then_streams(browser):
+    server = await MemoryServer(MemoryConfig(port=0, http_port=0, admin_token="s3cret")).start()
+    try:
+        page = await browser.new_page()
+        await page.goto(server.blockmap_url)
+        await page.wait_for_selector("#auth", state="visible")
+        assert "admin token" in await page.text_content("#status")
+        await page.fill("#token", "wrong")
+        await page.click("#auth button")
+        await page.wait_for_selector("#auth", state="visible")  # refused again
+        await page.fill("#token", "s3cret")
+        await page.click("#auth button")
+        await until(lambda: page.evaluate("window.blockmap.stats().updates >= 2"), what="updates with the token")
+        assert await page.text_content("#status") == "live"
+        await page.close()
+    finally:
+        await server.stop(0)
