@@ -7,7 +7,12 @@ ones are the engine loop's own. Histogram buckets are vLLM's, extended
 downwards where a CPU demo model answers in milliseconds.
 """
 
+import threading
+
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from kvpager.telemetry import registry
 
@@ -20,6 +25,42 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+
+class BatchHistogram(Collector):
+    """A histogram observed a batch at a time (numpy bucketing): the
+    inter-token latency gets one value per running request per step, and
+    ``Histogram.observe`` one by one (a lock and a Python loop each) cost the
+    engine loop ~3 us a request."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry) -> None:
+        self.name, self.documentation = name, documentation
+        self._bounds = np.asarray(buckets, dtype=np.float64)
+        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # the last: above every bound (+Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values) -> None:
+        v = np.asarray(values, dtype=np.float64)
+        if not v.size:
+            return
+        counts = np.bincount(np.searchsorted(self._bounds, v, side="left"), minlength=self._counts.size)
+        with self._lock:
+            self._counts += counts
+            self._sum += float(v.sum())
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self):
+        with self._lock:
+            cum = np.cumsum(self._counts)
+            total = self._sum
+        buckets = [(repr(float(b)), int(c)) for b, c in zip(self._bounds, cum[:-1])] + [("+Inf", int(cum[-1]))]
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)
+
 
 # ---- requests (vLLM's meanings) -------------------------------------------------------------
 NUM_REQUESTS_RUNNING = Gauge("kvpager_num_requests_running",
@@ -36,9 +77,8 @@ PROMPT_TOKENS = Counter("kvpager_prompt_tokens_total",
 GENERATION_TOKENS = Counter("kvpager_generation_tokens_total", "Tokens sampled.", registry=REGISTRY)
 TTFT = Histogram("kvpager_time_to_first_token_seconds", "Arrival to first sampled token.",
                  buckets=_TTFT_BUCKETS, registry=REGISTRY)
-ITL = Histogram("kvpager_inter_token_latency_seconds",
-                "Between one step that sampled a request's tokens and the next.", buckets=_ITL_BUCKETS,
-                registry=REGISTRY)
+ITL = BatchHistogram("kvpager_inter_token_latency_seconds",
+                     "Between one step that sampled a request's tokens and the next.", _ITL_BUCKETS, REGISTRY)
 TPOT = Histogram("kvpager_request_time_per_output_token_seconds",
                  "Per request: (last token - first token) / (generated tokens - 1).", buckets=_ITL_BUCKETS,
                  registry=REGISTRY)

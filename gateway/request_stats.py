@@ -46,18 +46,20 @@ class RequestStats:
     def tokens(self, sampled: dict[Request, int], now: float) -> None:
         """One step's results applied: ``sampled`` = tokens sampled per request."""
         total = 0
+        itl = []
         for req, n in sampled.items():
             total += n
-            if not req.first_token_s:
+            if req.first_token_s:
+                itl.append(now - req.last_token_s)
+            else:
                 req.first_token_s = now
                 metrics.TTFT.observe(now - req.arrival_s)
                 if req.scheduled_s:
                     metrics.PREFILL_TIME.observe(now - req.scheduled_s)
                 metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
                 self.num_prompt_tokens += len(req.prompt_ids)
-            else:
-                metrics.ITL.observe(now - req.last_token_s)
             req.last_token_s = now
+        metrics.ITL.observe_many(itl)
         metrics.GENERATION_TOKENS.inc(total)
         self.num_generation_tokens += total
 
