@@ -14,7 +14,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor-id", default="executor-0")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
-    p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--advertise-address", default=None, help="host:port registered with the memory service")
     p.add_argument("--memory-address", default=None, help="MemoryService host:port to register with")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block")
@@ -31,8 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: kvpager's own Llama-family forward where it fits, else transformers' model code")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--grace-s", type=float, default=5.0)
-    p.add_argument("--log-level", default="INFO")
     from kvpager.security import add_security_arguments
+    from kvpager.telemetry import add_observability_arguments
+
+    add_observability_arguments(p)
 
     add_security_arguments(p, server=True, client=True, admin_token=True)
 
@@ -50,6 +51,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         advertise_address=args.advertise_address,
         memory_address=args.memory_address,
         block_size=args.block_size,
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpager.telemetry import configure_logging
 
-    configure_logging("executor", level=args.log_level)
+    configure_logging("executor", level=args.log_level, log_format=args.log_format)
     try:
         config = config_from_args(args)
     except ValueError as exc:  # inconsistent flags (e.g. a TLS cert without its key)

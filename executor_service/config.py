@@ -29,6 +29,7 @@ class ExecutorConfig:
     host: str = "127.0.0.1"
     port: int = 0                           # 0 = pick a free port
     metrics_port: int | None = None         # Prometheus; None = off
+    metrics_host: str = "127.0.0.1"
     advertise_address: str | None = None    # host:port registered with memory; default host:bound port
     memory_address: str | None = None       # MemoryService host:port; None = stand-alone
     block_size: int = 16                    # tokens per block

@@ -133,6 +133,7 @@ async def start_executor_server(
         host=config.host,
         port=config.port,
         metrics_port=config.metrics_port,
+        metrics_host=config.metrics_host,
         grace_s=config.grace_s,
         tls=config.tls,
         auth=token_auth(config.admin_token),

@@ -16,7 +16,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-address", default="127.0.0.1:50051")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50050)
-    p.add_argument("--metrics-port", type=int, default=None)
     http = p.add_argument_group("OpenAI-compatible HTTP API (docs/api.md)")
     http.add_argument("--http-port", type=int, default=8000, help="its port (0: any free one)")
     http.add_argument("--http-host", default=None, help="its host (default: --host)")
@@ -61,8 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor-info-timeout-s", type=float, default=2.0,
                    help="deadline of an executor's GetInfo when it joins (then retried with backoff)")
     p.add_argument("--grace-s", type=float, default=5.0)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--stats-interval-s", type=float, default=10.0,
+                   help="log an 'engine stats' line this often (throughput, queue, KV usage, prefix hits); 0: never")
     from kvpager.security import add_security_arguments
+    from kvpager.telemetry import add_observability_arguments
+
+    add_observability_arguments(p)
 
     add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True)
 
@@ -79,6 +82,8 @@ def config_from_args(args: argparse.Namespace):
     from kvpager.security import security_from_args
 
     security = security_from_args(args)
+    if args.stats_interval_s < 0:
+        raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s:g}")
     if args.chat_template is not None and not Path(args.chat_template).is_file():
         raise ValueError(f"--chat-template {args.chat_template}: no such file")
     caps = RequestCaps(max_prompt_bytes=args.max_prompt_bytes, max_stop_strings=args.max_stop_strings,
@@ -93,7 +98,8 @@ def config_from_args(args: argparse.Namespace):
         host=args.http_host or args.host, port=args.http_port, served_model_name=args.served_model_name or "",
         chat_template=args.chat_template, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     return GatewayConfig(model=args.model, memory_address=args.memory_address, host=args.host, port=args.port,
-                         metrics_port=args.metrics_port, grace_s=args.grace_s, redis_url=args.redis_url,
+                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                         stats_interval_s=args.stats_interval_s, grace_s=args.grace_s, redis_url=args.redis_url,
                          routing=args.routing,
                          max_message_bytes=args.max_message_bytes, tls=security.server_tls(),
                          client_tls=security.client_tls(), auth_token=security.auth_token,
@@ -112,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpager.telemetry import configure_logging
     from gateway.service import GatewayServer
 
-    configure_logging("gateway", args.log_level)
+    configure_logging("gateway", args.log_level, log_format=args.log_format)
     try:
         config = config_from_args(args)
     except ValueError as exc:  # inconsistent flags (e.g. a TLS cert without its key)
@@ -122,8 +128,6 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         server = GatewayServer(config)
         await server.start()
-        http = f"; OpenAI-compatible API at {server.http_url}/v1" if server.http_url else ""
-        print(f"gateway listening on {server.address}{http}", flush=True)
         await server.serve_until_signal()
 
     asyncio.run(main())

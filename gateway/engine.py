@@ -34,6 +34,7 @@ from gateway.membership import Executors
 from gateway.outputs import Outbox
 from gateway.params import RequestCaps
 from gateway.rows import RowBuilder
+from gateway.request_stats import RequestStats
 from gateway.requests import RequestBook
 from gateway.scheduling import Scheduler, make_policy
 from gateway.sequences import SequenceTable
@@ -85,10 +86,11 @@ class Engine:
         self.scheduler = Scheduler(make_policy(config.policy), config.max_batch_tokens, config.max_running)
         self.sequences = SequenceTable()
         self.outbox = Outbox()
-        self.requests = RequestBook(self.sequences, self.outbox, config.max_waiting)
+        self.stats = RequestStats()
+        self.requests = RequestBook(self.sequences, self.outbox, config.max_waiting, self.stats)
         self.completions = Completions(self.sequences, self.requests, self.outbox, self.executors)
         self.beams = BeamSearch(self.completions)
-        self._row_builder = RowBuilder(self.beams, plan_ahead=config.plan_ahead)
+        self._row_builder = RowBuilder(self.beams, plan_ahead=config.plan_ahead, stats=self.stats)
         self._step_id = int(time.time() * 1000) << 8  # increasing across gateway restarts
         self._refresh_now = asyncio.Event()
         self._failures = FailureLog()
@@ -180,9 +182,10 @@ class Engine:
 
     def new_request(self, request_id: str, prompt_ids: list[int], spec, *, seed: int | None, priority: int,
                     cache_salt: str, deadline: float | None, skip_special_tokens: bool,
-                    chain: PromptChain | None = None, owner: str = "") -> Request:
+                    chain: PromptChain | None = None, arrival_s: float | None = None, owner: str = "") -> Request:
         return self.requests.new(request_id, prompt_ids, spec, seed=seed, priority=priority, cache_salt=cache_salt,
-                                 deadline=deadline, skip_special_tokens=skip_special_tokens, chain=chain, owner=owner)
+                                 deadline=deadline, skip_special_tokens=skip_special_tokens, chain=chain,
+                                 arrival_s=arrival_s, owner=owner)
 
     async def submit(self, req: Request, executor_id: str) -> None:
         """Admit a validated request to the loop (it is allocated nothing yet)."""
@@ -224,6 +227,7 @@ class Engine:
         executor (one Execute at a time per executor)."""
         while not self._stopping:
             if not self._has_work() and not self._inflight:
+                self.stats.queue((), time.perf_counter(), force=True)
                 self.outbox.flush()
                 self._wake.clear()
                 await self._wake.wait()
@@ -241,6 +245,7 @@ class Engine:
                     log.exception("engine step failed")
                 await self._reset(exc, failures.MEMORY_UNAVAILABLE, "engine step failed")
                 self.outbox.flush()
+            self.stats.queue(self.sequences.seqs.values(), time.perf_counter())
             await asyncio.sleep(0)  # let new requests run between steps
 
     async def _step(self) -> None:
@@ -317,7 +322,6 @@ class Engine:
             else:
                 seq.status = SeqStatus.WAITING
                 seq.num_computed = 0
-            metrics.PREEMPTIONS.labels("swap" if swapped else "recompute").inc()
 
     def _rows(self, ep: common_pb2.ExecutorPlan) -> list[wire.Row]:
         return self._row_builder.rows(ep, self.sequences.seqs, max_model_len=self.executors.limits.max_model_len,
@@ -359,7 +363,7 @@ class Engine:
         self._apply_results(call.rows, task.result())
 
     def _apply_results(self, rows: list[wire.Row], resp: executor_pb2.ExecuteResponse) -> None:
-        num_sampled = 0
+        sampled: dict[Request, int] = {}  # tokens per request (a beam's candidates count one)
         for row in rows:
             if row.num_samples:
                 row.seq.sampling -= 1
@@ -367,10 +371,12 @@ class Engine:
                     row.seq.feed_ahead = False
         for result in wire.row_results(rows, resp):
             seq = result.row.seq
+            req = seq.request
             if result.row.num_top and not result.row.num_samples:
+                sampled[req] = sampled.get(req, 0) + 1
                 self.beams.candidates(seq, result.top_ids, result.top_logprobs)
                 continue
-            num_sampled += len(result.tokens)
+            sampled[req] = sampled.get(req, 0) + len(result.tokens)
             if seq.seq_id not in self.sequences:
                 continue  # aborted while the step ran
             try:
@@ -381,7 +387,7 @@ class Engine:
             except Exception:  # one request's bug must not end the others' streams
                 self.fail_on_bug(seq.request, "taking its sampled tokens")
         self.beams.finish_step()
-        metrics.TOKENS_GENERATED.inc(num_sampled)
+        self.stats.tokens(sampled, time.perf_counter())
 
     def fail_on_bug(self, req: Request, doing: str) -> None:
         self.completions.fail_on_bug(req, doing)

@@ -9,6 +9,7 @@ API maps them to its own statuses) and share one engine. No grpc here.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +105,7 @@ class Frontend:
 
     async def submit(self, sub: Submission) -> Request:
         """Validate and admit (nothing is allocated before every check passed)."""
+        arrival_s = time.perf_counter()  # before routing: a slow prefix score is queue time too
         self.check_ready()
         engine = self.engine
         self.check_ids(sub.request_id, sub.cache_salt)
@@ -113,7 +115,8 @@ class Frontend:
         executor_id = await self.router.choose(sub.prompt_ids, sub.cache_salt, sub.deadline, chain)
         req = engine.new_request(request_id, sub.prompt_ids, spec, seed=spec.seed, priority=sub.priority,
                                  cache_salt=sub.cache_salt, deadline=sub.deadline,
-                                 skip_special_tokens=sub.skip_special_tokens, chain=chain, owner=sub.owner)
+                                 skip_special_tokens=sub.skip_special_tokens, chain=chain, arrival_s=arrival_s,
+                                 owner=sub.owner)
         await engine.submit(req, executor_id)
         return req
 

@@ -17,20 +17,24 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 from kvpager.errors import AlreadyExists, DeadlineExceeded, KvpagerError, ResourceExhausted
 from kvpager.prefix_index.hashing import PromptChain
 from gateway import metrics
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.outputs import Outbox, take_output
+from gateway.request_stats import RequestStats
 from gateway.sequences import SequenceTable
 from gateway.state import Completion, Finish, Request
 
 
 class RequestBook:
-    def __init__(self, sequences: SequenceTable, outbox: Outbox, max_waiting: int) -> None:
+    def __init__(self, sequences: SequenceTable, outbox: Outbox, max_waiting: int,
+                 stats: RequestStats | None = None) -> None:
         self.sequences = sequences
         self.outbox = outbox
+        self.stats = stats or RequestStats()
         self.max_waiting = max_waiting
         self.requests: dict[tuple[str, str], Request] = {}  # (owner, request id) -> request
         self._arrivals = itertools.count()
@@ -39,7 +43,10 @@ class RequestBook:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def __contains__(self, key: tuple[str, str]) -> bool:
+    def __contains__(self, key: tuple[str, str] | str) -> bool:
+        """A request key, or (for operators and tests) a bare id under any owner."""
+        if isinstance(key, str):
+            return any(request_id == key for _, request_id in self.requests)
         return key in self.requests
 
     def values(self):
@@ -47,11 +54,12 @@ class RequestBook:
 
     def new(self, request_id: str, prompt_ids: list[int], spec, *, seed: int | None, priority: int,
             cache_salt: str, deadline: float | None, skip_special_tokens: bool,
-            chain: PromptChain | None = None, owner: str = "") -> Request:
+            chain: PromptChain | None = None, arrival_s: float | None = None, owner: str = "") -> Request:
         return Request(request_id, prompt_ids, spec, seed if seed is not None else random.getrandbits(62),
                        priority=priority, cache_salt=cache_salt, arrival=next(self._arrivals), deadline=deadline,
                        skip_special_tokens=skip_special_tokens,
-                       chain=chain if chain is not None else PromptChain(prompt_ids, cache_salt), owner=owner)
+                       chain=chain if chain is not None else PromptChain(prompt_ids, cache_salt),
+                       arrival_s=time.perf_counter() if arrival_s is None else arrival_s, owner=owner)
 
     def admit(self, req: Request, executor_id: str, tokenizer):
         """Take a validated request (nothing is allocated yet); returns its first sequence."""
@@ -66,7 +74,7 @@ class RequestBook:
                            for i in range(req.spec.num_completions)]
         seq = self.sequences.start(req, None if req.spec.beam_width > 1 else req.completions[0])
         self.requests[req.key] = req
-        metrics.REQUESTS_RUNNING.set(len(self.requests))
+        metrics.REQUESTS_IN_FLIGHT.set(len(self.requests))
         return seq
 
     # ---- aborts --------------------------------------------------------------------
@@ -111,7 +119,7 @@ class RequestBook:
         """Every completion has ended (or is aborted): release and close the stream."""
         for seq in self.sequences.of_request(req):
             self.sequences.release(seq, abort=abort)
-        self._close(req, Outbox.END, "abort" if abort else "ok")
+        self._close(req, Outbox.END, "abort" if abort else "ok", None)
 
     def fail(self, req: Request, error: KvpagerError, release: bool = True) -> None:
         """End with ``error``. ``release=False``: the memory service has dropped
@@ -123,15 +131,17 @@ class RequestBook:
                 self.sequences.release(seq, abort=True)
             else:
                 self.sequences.forget(seq.seq_id)
-        self._close(req, error, error.status.lower())
+        self._close(req, error, error.status.lower(), error)
 
     def fail_all(self, error: KvpagerError, release: bool = True) -> None:
         for req in list(self.requests.values()):
             self.fail(req, error, release=release)
 
-    def _close(self, req: Request, last_item, outcome: str) -> None:
+    def _close(self, req: Request, last_item, outcome: str, error: KvpagerError | None) -> None:
         req.done = True
-        self.requests.pop(req.key, None)
+        admitted = self.requests.pop(req.key, None) is req
         self.outbox.emit(req, last_item)
-        metrics.REQUESTS_RUNNING.set(len(self.requests))
+        metrics.REQUESTS_IN_FLIGHT.set(len(self.requests))
         metrics.REQUESTS_FINISHED.labels(outcome).inc()
+        if admitted:
+            self.stats.finished(req, outcome, error)

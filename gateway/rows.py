@@ -10,6 +10,7 @@ placeholder: the token the executor is still sampling in the step before.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 from kvpager.seq_status import SeqStatus
@@ -17,13 +18,15 @@ from kvpager.v1 import common_pb2
 from gateway import wire
 from gateway.beam import BeamSearch
 from gateway.params import logit_bias_for
+from gateway.request_stats import RequestStats
 from gateway.state import Seq
 
 
 class RowBuilder:
-    def __init__(self, beams: BeamSearch, *, plan_ahead: bool) -> None:
+    def __init__(self, beams: BeamSearch, *, plan_ahead: bool, stats: RequestStats | None = None) -> None:
         self.beams = beams
         self.plan_ahead = plan_ahead
+        self.stats = stats or RequestStats()
 
     def rows(self, ep: common_pb2.ExecutorPlan, seqs: Mapping[int, Seq], *,
              max_model_len: int, eos_ids: frozenset[int]) -> list[wire.Row]:
@@ -34,6 +37,7 @@ class RowBuilder:
             if not req.admitted:
                 req.admitted = True
                 req.num_cached_tokens = p.cached
+                self.stats.scheduled(req, time.perf_counter())
             seq.status = SeqStatus.RUNNING
             seq.num_computed = p.start + p.num_tokens
             row = wire.Row(seq, p.start, seq.tokens[p.start:seq.num_computed])

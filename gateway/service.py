@@ -33,6 +33,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 50050
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    stats_interval_s: float = 10.0              # the periodic "engine stats" log line; 0 = none
     grace_s: float = 5.0
     max_message_bytes: int = 16 * 2**20
     redis_url: str | None = None                # route by the Redis mirror instead of ScorePrefix RPCs
@@ -60,7 +62,8 @@ class GatewayServer:
                              executor_token=config.admin_token)
         self.router = make_router(config.routing, self.engine, config.engine.load_weight_tokens, config.redis_url)
         self.runtime = ServiceRuntime("gateway", host=config.host, port=config.port,
-                                      metrics_port=config.metrics_port, grace_s=config.grace_s,
+                                      metrics_port=config.metrics_port, metrics_host=config.metrics_host,
+                                      grace_s=config.grace_s,
                                       max_message_bytes=config.max_message_bytes, tls=config.tls,
                                       auth=token_auth(config.auth_token))
         servicer = GatewayServicer(self.engine, self.router, self.tokenizer,
@@ -70,6 +73,7 @@ class GatewayServer:
         self.http_context = None  # the HTTP routes' view of the gateway (gateway.http.app.HttpContext)
         self.http = self._http_server(servicer.frontend) if config.http is not None else None
         self._watch: asyncio.Task | None = None
+        self._stats: asyncio.Task | None = None
 
     def _http_server(self, frontend):
         from gateway.http.app import HttpContext, make_app
@@ -106,7 +110,15 @@ class GatewayServer:
                 await self.runtime.stop(0)
                 raise
         await self.engine.start()
-        self._watch = asyncio.get_running_loop().create_task(self._track_readiness())
+        loop = asyncio.get_running_loop()
+        self._watch = loop.create_task(self._track_readiness())
+        if self.config.stats_interval_s > 0:
+            from gateway.request_stats import StatsLine
+
+            line = StatsLine(self.engine.stats, self.memory.accounting, self.config.stats_interval_s)
+            self._stats = loop.create_task(line.run(), name="engine-stats")
+        log.info("gateway serving", address=self.address, http=self.http_url,
+                 metrics_port=self.runtime.metrics_port)
         return self
 
     async def _track_readiness(self) -> None:
@@ -127,11 +139,12 @@ class GatewayServer:
         await asyncio.wait_for(ready(), timeout_s)
 
     async def stop(self, grace_s: float | None = None) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-            self._watch = None
+        for task in (self._watch, self._stats):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._watch = self._stats = None
         stops = [self.runtime.stop(grace_s)]
         if self.http is not None:  # both let requests in flight finish while the engine still runs
             stops.append(self.http.stop(grace_s))

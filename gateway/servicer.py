@@ -5,9 +5,13 @@ API), validation gateway.params', scheduling the engine's."""
 from __future__ import annotations
 
 import asyncio
+import uuid
+
+import structlog
 
 from kvpager.auth import principal
 from kvpager.errors import Unavailable
+from kvpager.interceptor import client_request_id
 from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway.frontend import Frontend, Submission
 from gateway.params import RawParams
@@ -47,13 +51,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request, context):
         frontend = self.frontend
+        # The client's id names the request everywhere (Abort, logs): the body's, else the header's.
+        request_id = request.request_id or client_request_id(context.invocation_metadata()) or uuid.uuid4().hex
+        frontend.check_ids(request_id, request.cache_salt)  # before it goes into any log line
+        structlog.contextvars.bind_contextvars(request_id=request_id)
         frontend.check_ready()
-        frontend.check_ids(request.request_id, request.cache_salt)
         prompt_ids = await frontend.prompt_ids(request.prompt, list(request.prompt_token_ids))
         remaining = context.time_remaining()
         deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
         req = await frontend.submit(Submission(prompt_ids, raw_params(request.sampling_params),
-                                               request_id=request.request_id,
+                                               request_id=request_id,
                                                owner=principal(context, self.token_required),
                                                priority=request.priority,
                                                cache_salt=request.cache_salt, deadline=deadline,

@@ -76,6 +76,11 @@ class Request:
     done: bool = False
     beam: object | None = None          # BeamState for beam search
     chain: PromptChain | None = None    # the prompt's block hashes per namespace (routing, admission)
+    # perf_counter() times (gateway.request_stats): the API got it, first row in a plan, first / last sample
+    arrival_s: float = 0.0
+    scheduled_s: float = 0.0
+    first_token_s: float = 0.0
+    last_token_s: float = 0.0
     owner: str = ""                     # the caller: only it may abort the request; ids are unique per owner
 
     @property

@@ -19,7 +19,7 @@ import structlog
 
 from kvpager.errors import InvalidArgument, KvpagerError
 from kvpager.log_limits import clip
-from kvpager.telemetry import RPC_IN_FLIGHT, RPC_LATENCY, RPC_REQUESTS, get_logger
+from kvpager.telemetry import RpcMetrics, get_logger, rpc_metrics
 
 log = get_logger("kvpager.server")
 
@@ -98,6 +98,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, service: str) -> None:
         self.service = service
+        self.metrics = rpc_metrics(service)  # in the service's own registry
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -122,7 +123,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_unary(self, behavior: Callable, method: str, request_id: str, streamed: bool):
         async def unary(request, context):
-            with _Call(self.service, method, request_id) as call:
+            with _Call(self.metrics, self.service, method, request_id) as call:
                 await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
                 try:
                     result = behavior(_checked(request, behavior, streamed), context)
@@ -137,7 +138,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_stream(self, behavior: Callable, method: str, request_id: str, streamed: bool):
         async def stream(request, context):
-            with _Call(self.service, method, request_id) as call:
+            with _Call(self.metrics, self.service, method, request_id) as call:
                 await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
                 try:
                     result = behavior(_checked(request, behavior, streamed), context)
@@ -159,7 +160,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 class _Call:
     """One RPC's bookkeeping: contextvars, in-flight gauge, latency, final code."""
 
-    def __init__(self, service: str, method: str, request_id: str) -> None:
+    def __init__(self, metrics: RpcMetrics, service: str, method: str, request_id: str) -> None:
+        self.metrics = metrics
         self.service, self.method, self.request_id = service, method, request_id
         self.code = "UNKNOWN"
 
@@ -169,13 +171,14 @@ class _Call:
             request_id=self.request_id, method=self.method, service=self.service
         )
         self._bound.__enter__()
-        RPC_IN_FLIGHT.labels(self.service, self.method).inc()
+        self.metrics.in_flight.labels(self.service, self.method).inc()
         return self
 
     def __exit__(self, *_exc) -> None:
-        RPC_IN_FLIGHT.labels(self.service, self.method).dec()
-        RPC_LATENCY.labels(self.service, self.method).observe(time.perf_counter() - self._start)
-        RPC_REQUESTS.labels(self.service, self.method, self.code).inc()
+        m = self.metrics
+        m.in_flight.labels(self.service, self.method).dec()
+        m.latency.labels(self.service, self.method).observe(time.perf_counter() - self._start)
+        m.requests.labels(self.service, self.method, self.code).inc()
         self._bound.__exit__(None, None, None)
 
     async def fail(self, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
@@ -190,7 +193,7 @@ class _Call:
             raise exc
         if isinstance(exc, KvpagerError) and exc.status in grpc.StatusCode.__members__ and exc.status != "OK":
             code, details = grpc.StatusCode[exc.status], exc.message
-            log.debug("rpc failed", code=exc.status, error=clip(details, 400))
+            log.info("rpc failed", code=exc.status, error=clip(details, 400))
         elif isinstance(exc, NotImplementedError):  # the generated base servicer's stubs
             code, details = grpc.StatusCode.UNIMPLEMENTED, "method not implemented"
         else:
@@ -203,12 +206,17 @@ class _Call:
         await context.abort(code, details, trailing)
 
 
-def _request_id(metadata) -> str:
-    """The caller's ``x-request-id`` if it is a sane token, else a fresh one."""
+def client_request_id(metadata) -> str | None:
+    """The caller's ``x-request-id`` if it sent a sane one."""
     for key, value in metadata or ():
         if key == REQUEST_ID_KEY and isinstance(value, str) and 0 < len(value) <= 128 and value.isprintable():
             return value
-    return uuid.uuid4().hex
+    return None
+
+
+def _request_id(metadata) -> str:
+    """The caller's ``x-request-id`` if it is a sane token, else a fresh one."""
+    return client_request_id(metadata) or uuid.uuid4().hex
 
 
 def _code_name(context: grpc.aio.ServicerContext, default: str = "OK") -> str:

@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpager.auth import TokenAuth
 from kvpager.interceptor import INTERNAL_DETAILS, REQUEST_ID_KEY, RETRY_AFTER_KEY, ErrorMappingInterceptor
-from kvpager.telemetry import MetricsServer, get_logger
+from kvpager.telemetry import MetricsServer, get_logger, registry
 
 __all__ = ["ErrorMappingInterceptor", "INTERNAL_DETAILS", "REQUEST_ID_KEY", "RETRY_AFTER_KEY", "ServiceRuntime",
            "TlsConfig", "TokenAuth", "server_options"]
@@ -116,6 +116,7 @@ class ServiceRuntime:
         self._server: grpc.aio.Server | None = None
         self._metrics: MetricsServer | None = None
         self._stopping: asyncio.Task | None = None
+        self._serving = False
         self._stop_requested = asyncio.Event()
         self._stopped = asyncio.Event()
 
@@ -166,7 +167,8 @@ class ServiceRuntime:
         await server.start()
         self._server = server
         if self.metrics_port is not None:
-            self._metrics = MetricsServer(self.metrics_port, self.metrics_host)
+            self._metrics = MetricsServer(self.metrics_port, self.metrics_host, registry(self.name),
+                                          serving=lambda: self.serving)
             self.metrics_port = self._metrics.port
         log.info(
             "server started",
@@ -185,7 +187,13 @@ class ServiceRuntime:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         return asyncio.get_running_loop().create_task(self._set_all(status))
 
+    @property
+    def serving(self) -> bool:
+        """Whether health reports SERVING now (the metrics server's ``/health`` answers by it)."""
+        return self._serving and not self._stop_requested.is_set() and self._stopping is None
+
     async def _set_all(self, status) -> None:
+        self._serving = status == health_pb2.HealthCheckResponse.SERVING
         for service in ("", *self.service_names):
             await self.health.set(service, status)
 

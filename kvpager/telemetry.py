@@ -1,13 +1,16 @@
 """Logs and metrics shared by every service.
 
-Logs are structlog JSON lines on stderr: ``timestamp``, ``level``,
-``service`` and whatever is bound in contextvars (the RPC interceptor binds
-``request_id`` and ``method``). Records from stdlib ``logging`` (grpc,
-transformers) go through the same renderer.
+Logs are structlog lines on stderr (JSON by default, ``--log-format
+console`` for people): ``timestamp``, ``level``, ``service`` and whatever is
+bound in contextvars (the RPC interceptor binds ``request_id`` and
+``method``). Records from stdlib ``logging`` (grpc, transformers, uvicorn) go
+through the same renderer, so a service writes nothing else.
 
-The RPC metrics are defined once here, at import; several services may run in
-one process (tests, ``kvpager up``) and share them, told apart by the
-``service`` label. Never construct them again elsewhere.
+Metrics: one ``CollectorRegistry`` per service (``registry(name)``), so a
+service's endpoint shows its own families even when several services share a
+process (tests, the in-process stack). Each service's metrics module
+registers into its own; the RPC metrics exist once per registry
+(``rpc_metrics``), told apart by the ``service`` label.
 """
 
 from __future__ import annotations
@@ -17,27 +20,53 @@ import socket
 import socketserver
 import sys
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
-from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-RPC_REQUESTS = Counter(
-    "kvpager_rpc_requests_total",
-    "Finished RPCs by status code.",
-    ["service", "method", "code"],
-)
-RPC_LATENCY = Histogram(
-    "kvpager_rpc_latency_seconds",
-    "RPC handler latency, from dispatch to status.",
-    ["service", "method"],
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
-)
-RPC_IN_FLIGHT = Gauge(
-    "kvpager_rpc_in_flight",
-    "RPCs being handled now.",
-    ["service", "method"],
-)
+LOG_FORMATS = ("json", "console")
+_REGISTRIES: dict[str, CollectorRegistry] = {}
+_REGISTRIES_LOCK = threading.Lock()
+
+
+def registry(service: str) -> CollectorRegistry:
+    """The one metrics registry of ``service`` ("memory", "executor",
+    "gateway", ...) in this process, made on first use."""
+    with _REGISTRIES_LOCK:
+        reg = _REGISTRIES.get(service)
+        if reg is None:
+            reg = _REGISTRIES[service] = CollectorRegistry(auto_describe=True)
+        return reg
+
+
+@dataclass(frozen=True, slots=True)
+class RpcMetrics:
+    requests: Counter
+    latency: Histogram
+    in_flight: Gauge
+
+
+_RPC: dict[int, RpcMetrics] = {}
+
+
+def rpc_metrics(service: str) -> RpcMetrics:
+    """The RPC metrics in ``service``'s registry (made once per registry)."""
+    reg = registry(service)
+    with _REGISTRIES_LOCK:
+        found = _RPC.get(id(reg))
+        if found is None:
+            found = _RPC[id(reg)] = RpcMetrics(
+                Counter("kvpager_rpc_requests_total", "Finished RPCs by status code.",
+                        ["service", "method", "code"], registry=reg),
+                Histogram("kvpager_rpc_latency_seconds", "RPC handler latency, from dispatch to status.",
+                          ["service", "method"], registry=reg,
+                          buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                                   5.0, 10.0, 30.0)),
+                Gauge("kvpager_rpc_in_flight", "RPCs being handled now.", ["service", "method"], registry=reg))
+        return found
 
 
 _WRITE_LOCK = threading.Lock()
@@ -71,9 +100,14 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def configure_logging(service: str, level: str = "INFO", json: bool = True) -> None:
+def configure_logging(service: str, level: str = "INFO", json: bool = True, log_format: str | None = None) -> None:
     """Sets up structlog and stdlib logging for this process; safe to call again
-    (the last call wins; a ``service`` bound in contextvars wins over this one)."""
+    (the last call wins; a ``service`` bound in contextvars wins over this one).
+    ``log_format`` ("json" | "console"), when given, decides over ``json``."""
+    if log_format is not None:
+        if log_format not in LOG_FORMATS:
+            raise ValueError(f"unknown log format {log_format!r}: one of {', '.join(LOG_FORMATS)}")
+        json = log_format == "json"
     level_no = logging.getLevelName(level.upper())
     if not isinstance(level_no, int):
         raise ValueError(f"unknown log level {level!r}")
@@ -140,17 +174,21 @@ class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
 
 
 class MetricsServer:
-    """Prometheus text exposition (``/metrics``) on a daemon thread.
+    """Prometheus text exposition on a daemon thread: ``/metrics`` (the
+    service's registry), ``/health`` (200 while ``serving()``, else 503, so an
+    HTTP probe means something), 404 for any other path.
 
     Our own loop rather than ``prometheus_client.start_http_server``: that one
     polls for shutdown every 0.5 s, so every close would cost half a second.
     """
 
-    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1", registry: CollectorRegistry | None = None,
+                 serving: Callable[[], bool] = lambda: True) -> None:
         server_class = _ThreadingWSGIServer
         if ":" in host:
             server_class = type("_ThreadingWSGIServer6", (_ThreadingWSGIServer,), {"address_family": socket.AF_INET6})
-        self._httpd = make_server(host, port, make_wsgi_app(), server_class, handler_class=_QuietHandler)
+        self._httpd = make_server(host, port, metrics_app(registry or CollectorRegistry(), serving), server_class,
+                                  handler_class=_QuietHandler)
         self.port: int = self._httpd.server_port
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name=f"metrics:{self.port}", daemon=True
@@ -163,9 +201,31 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def start_metrics_server(port: int | None, host: str = "127.0.0.1") -> int | None:
-    """Serves /metrics; ``port=0`` picks a free port. Returns the bound port, or
-    None (and serves nothing) when ``port`` is None."""
-    if port is None:
-        return None
-    return MetricsServer(port, host).port
+def metrics_app(registry: CollectorRegistry, serving: Callable[[], bool]):
+    """The metrics server's WSGI app (see ``MetricsServer``)."""
+    exposition = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return exposition(environ, start_response)
+        if path == "/health":
+            ok = serving()
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [b"ok\n" if ok else b"not serving\n"]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [f"no such path {path!r}: /metrics, /health\n".encode()]
+
+    return app
+
+
+def add_observability_arguments(p) -> None:
+    """The flags every service takes for its logs and metrics (argparse)."""
+    g = p.add_argument_group("logs and metrics (docs/metrics.md)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics and an HTTP /health here (0: any free port; default: none)")
+    g.add_argument("--metrics-host", default="127.0.0.1",
+                   help="the metrics server's listen address (0.0.0.0: every interface, e.g. in a container)")
+    g.add_argument("--log-level", default="INFO")
+    g.add_argument("--log-format", choices=LOG_FORMATS, default="json",
+                   help="json: one JSON object a line (default); console: readable lines for a terminal")

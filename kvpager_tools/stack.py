@@ -51,6 +51,7 @@ class StackConfig:
     memory_port: int = 50051
     gateway_port: int = 50050
     http_port: int | None = 8000          # the gateway's OpenAI-compatible HTTP API; None = off
+    blockmap_port: int | None = 8001      # the memory service's live block map (HTTP); None = off
     executor_base_port: int = 50060       # executor i listens on base + i
     metrics_base_port: int | None = None  # None = no Prometheus endpoints
     block_size: int = 16                  # tokens per block
@@ -87,7 +88,24 @@ class StackConfig:
         """A copy where every port given as 0 is replaced by one free right now."""
         return self._fill_ports(lambda port: port == 0)
 
+    def ports(self) -> list[int]:
+        """Every port the stack listens on (None-valued ones left out)."""
+        out = [self.memory_port, self.gateway_port, self.http_port, self.blockmap_port,
+               *range(self.executor_base_port, self.executor_base_port + self.num_executors)]
+        if self.metrics_base_port is not None:
+            out += range(self.metrics_base_port, self.metrics_base_port + 2 + self.num_executors)
+        return [p for p in out if p is not None]
+
     def _fill_ports(self, replace) -> StackConfig:
+        # Ports found free one at a time may coincide (each probe closes before the next): retry until distinct.
+        for _ in range(20):
+            filled = self._fill_once(replace)
+            ports = [p for p in filled.ports() if p]
+            if len(ports) == len(set(ports)):
+                return filled
+        return filled
+
+    def _fill_once(self, replace) -> StackConfig:
         num_metrics = 2 + self.num_executors
         mbase = self.metrics_base_port
         return dataclasses.replace(
@@ -96,6 +114,8 @@ class StackConfig:
             gateway_port=free_port(self.host) if replace(self.gateway_port) else self.gateway_port,
             http_port=(free_port(self.host) if self.http_port is not None and replace(self.http_port)
                        else self.http_port),
+            blockmap_port=(free_port(self.host) if self.blockmap_port is not None and replace(self.blockmap_port)
+                           else self.blockmap_port),
             executor_base_port=(free_port_range(self.num_executors, self.host)
                                 if replace(self.executor_base_port) else self.executor_base_port),
             metrics_base_port=(free_port_range(num_metrics, self.host)
@@ -122,6 +142,7 @@ class StackAddresses:
     executors: tuple[str, ...]
     metrics: dict[str, int]        # child name -> Prometheus port (only those with one)
     http: str | None = None        # the gateway's HTTP API base URL ("http://host:port"; OpenAI's is + "/v1")
+    blockmap: str | None = None    # the block map page ("http://host:port/")
 
 
 class StackError(RuntimeError):
@@ -235,8 +256,10 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
     redis = ["--redis-url", config.redis_url] if config.redis_url else []
     children = []
     flags, port = metrics(0)
+    blockmap = ["--http-port", str(config.blockmap_port)] if config.blockmap_port is not None else []
     children.append(ChildSpec("memory", "memory", kvpager(
-        "memory", "--host", host, "--port", str(config.memory_port), *flags, *redis), memory_address, port))
+        "memory", "--host", host, "--port", str(config.memory_port), *flags, *blockmap, *redis),
+        memory_address, port))
     executor_env = cpu_executor_env(config)
     for i in range(config.num_executors):
         flags, port = metrics(2 + i)
@@ -350,17 +373,21 @@ class Stack:
             executors=tuple(c.address for c in by_role["executor"]),
             metrics={c.name: c.metrics_port for c in self.children if c.metrics_port is not None},
             http=self.http_url,
+            blockmap=self._url(self.config.blockmap_port, "/"),
         )
 
     @property
     def http_url(self) -> str | None:
         """The gateway's HTTP API base URL, None when it has none."""
+        return self._url(self.config.http_port)
+
+    def _url(self, port: int | None, path: str = "") -> str | None:
         config = self.config
-        if config.http_port is None:
+        if port is None:
             return None
         host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(config.host, config.host)
         scheme = "https" if config.security is not None and config.security.tls_cert else "http"
-        return f"{scheme}://{_join(host, config.http_port)}"
+        return f"{scheme}://{_join(host, port)}{path}"
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -470,8 +497,8 @@ class Stack:
     def _check_ports_free(self) -> None:
         # Otherwise the health wait could find another process's server there.
         for child in self.children:
-            http = self.config.http_port if child.role == "gateway" else None
-        for port in (int(child.address.rsplit(":", 1)[1]), child.metrics_port, http):
+            http = {"gateway": self.config.http_port, "memory": self.config.blockmap_port}.get(child.role)
+            for port in (int(child.address.rsplit(":", 1)[1]), child.metrics_port, http):
                 if port is not None and _accepts(child.address.rsplit(":", 1)[0], port):
                     raise StackError(child.name, f"port {port} is already in use (0 picks a free one)", None, "")
 
@@ -636,11 +663,13 @@ class InProcessStack:
 async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 96, block_size: int = 4,
                            swap_blocks: int = 64, swap_min_tokens: int = 256, redis_url: str | None = None,
                            http: dict | None = None, gateway_kw: dict | None = None,
+                           metrics: bool = False, memory_kw: dict | None = None,
                            **engine_kw) -> InProcessStack:
     """Memory service, ``executors`` executors and a gateway (EngineConfig ``engine_kw``) in this
     process; returns once the gateway routes to every executor. ``http``: serve the HTTP API
-    on a free port (HttpConfig fields; ``gateway.http_url``), else none; ``gateway_kw``: more
-    GatewayConfig fields."""
+    on a free port (HttpConfig fields; ``gateway.http_url``), else none; ``gateway_kw``,
+    ``memory_kw``: more GatewayConfig / MemoryConfig fields; ``metrics``: every service serves
+    /metrics on a free port (``<server>.runtime.metrics_port``)."""
     import asyncio
 
     from executor_service.config import ExecutorConfig
@@ -650,17 +679,20 @@ async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 
     from gateway.service import GatewayConfig, GatewayServer
     from memory_service.service import MemoryConfig, MemoryServer
 
-    memory = await MemoryServer(MemoryConfig(port=0, swap_min_tokens=swap_min_tokens, redis_url=redis_url)).start()
+    mport = 0 if metrics else None
+    memory = await MemoryServer(MemoryConfig(port=0, swap_min_tokens=swap_min_tokens, redis_url=redis_url,
+                                             metrics_port=mport, **(memory_kw or {}))).start()
     exs = []
     for i in range(executors):
         exs.append(await start_executor_server(ExecutorConfig(
             model=model, executor_id=f"executor-{i}", memory_address=memory.address, num_blocks=num_blocks,
-            block_size=block_size, swap_blocks=swap_blocks)))
+            block_size=block_size, swap_blocks=swap_blocks, metrics_port=mport)))
     engine_kw.setdefault("executor_refresh_s", 0.2)
     http_config = HttpConfig(**{"port": 0, **http}) if http is not None else None
     gateway = await GatewayServer(GatewayConfig(model=model, memory_address=memory.address, port=0,
                                                 redis_url=redis_url, engine=EngineConfig(**engine_kw),
-                                                http=http_config, **(gateway_kw or {}))).start()
+                                                http=http_config, metrics_port=mport,
+                                                **(gateway_kw or {}))).start()
     await gateway.wait_ready(30)
     while len(gateway.engine.executors) < executors:
         await asyncio.sleep(0.05)
@@ -678,6 +710,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gateway-port", type=int, default=50050)
     p.add_argument("--http-port", type=int, default=8000, help="the gateway's OpenAI-compatible HTTP API")
     p.add_argument("--no-http", action="store_true", help="the gateway serves gRPC only")
+    p.add_argument("--blockmap-port", type=int, default=8001, help="the memory service's live block map (HTTP)")
+    p.add_argument("--no-blockmap", action="store_true", help="no block map")
     p.add_argument("--executor-base-port", type=int, default=50060, help="executor i listens on base + i")
     p.add_argument("--metrics-base-port", type=int, default=None,
                    help="Prometheus: memory = base, gateway = base+1, executor i = base+2+i (default: off)")
@@ -716,6 +750,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
         model=args.model, num_executors=args.executors, host=args.host, memory_port=args.memory_port,
         gateway_port=args.gateway_port, http_port=None if args.no_http else args.http_port,
+        blockmap_port=None if args.no_blockmap else args.blockmap_port,
         executor_base_port=args.executor_base_port,
         metrics_base_port=args.metrics_base_port, block_size=args.block_size, num_blocks=num_blocks,
         kv_cache_gib=args.kv_cache_gib, swap_blocks=args.swap_blocks, redis_url=args.redis_url,
@@ -742,6 +777,10 @@ def _print_ready(stack: Stack, console) -> None:
     blk_token = " (with $KVPAGER_ADMIN_TOKEN set)" if security is not None and security.admin_token else ""
     console.print(f"  kvpager generate \"Once upon a time\" --address {a.gateway} --max-tokens 32{tls}{gen_token}")
     console.print(f"  kvpager blocks --address {a.memory}{tls}{blk_token}")
+    if a.blockmap is not None:
+        key = " (it asks for the admin token)" if security is not None and security.admin_token and \
+            not security.open_read_only else ""
+        console.print(f"  the live block map: {a.blockmap}{key}")
     if a.http is not None:
         key = " (with the auth token as the API key)" if security is not None and security.auth_token else ""
         console.print(f"  OpenAI-compatible API: {a.http}/v1{key}")

@@ -41,6 +41,8 @@ class PoolAccounting:
     swap_free_blocks: int = 0
     copy_on_write_copies: int = 0
     evictions: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
     block_size: int = 0
 
     def as_dict(self) -> dict:
@@ -100,6 +102,8 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccoun
         swap_free_blocks=kv.swap.num_free,
         copy_on_write_copies=c.cow_copies,
         evictions=pool.num_evictions,
+        swapped_out_blocks=c.swapped_out_blocks,
+        swapped_in_blocks=c.swapped_in_blocks,
         block_size=bs,
     )
 
@@ -108,7 +112,7 @@ _SUMMED = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_
            "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_query_tokens", "prefix_hit_tokens",
            "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks",
            "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks",
-           "copy_on_write_copies", "evictions")
+           "copy_on_write_copies", "evictions", "swapped_out_blocks", "swapped_in_blocks")
 
 
 def total_accounting(parts: list[PoolAccounting]) -> PoolAccounting:

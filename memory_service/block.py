@@ -86,6 +86,13 @@ class FreeBlockQueue:
             node = node.next_free
         return out
 
+    def iter_newest(self):
+        """Free blocks from the tail (freed last) towards the head (evicted next)."""
+        node = self._tail.prev_free
+        while node is not None and node is not self._head:
+            yield node
+            node = node.prev_free
+
 
 class TieredFreeQueue:
     """Free blocks in ``num_tiers`` FreeBlockQueues: allocation pops the
@@ -118,3 +125,8 @@ class TieredFreeQueue:
     def block_ids(self) -> list[int]:
         """Eviction order (tests and invariant checks)."""
         return [i for q in self.queues for i in q.block_ids()]
+
+    def iter_newest(self):
+        """Free blocks, the last to be evicted first."""
+        for q in reversed(self.queues):
+            yield from q.iter_newest()

@@ -6,11 +6,15 @@ victim. All-or-nothing: a failed allocation changes nothing.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 from memory_service.block import Block, FreeBlockQueue, TieredFreeQueue
 from memory_service.events import AllCleared, BlockRemoved, BlockStored, EventQueue
 from memory_service.policy import EvictionPolicy
+
+
+RECENT_OPS = 4096  # recent evictions / copy-on-write destinations kept for operators
 
 
 class BlockPool:
@@ -31,6 +35,8 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.num_cached_free = 0  # cached blocks with refcount 0
         self.num_evictions = 0
+        # The last evicted block ids (the block map flashes those since its last frame).
+        self.recent_evictions: deque[int] = deque(maxlen=RECENT_OPS)
         self.events = events if events is not None else EventQueue()
 
     @property
@@ -56,6 +62,7 @@ class BlockPool:
         del self.cached[block.block_hash]
         self.num_cached_free -= 1
         self.num_evictions += 1
+        self.recent_evictions.append(block.block_id)
         if self.events.enabled:  # no record built when nothing drains them
             self.events.emit(BlockRemoved(self.executor_id, block.block_hash, block.block_id))
         block.block_hash = None
@@ -167,3 +174,7 @@ class SwapPool:
 
     def free(self, block_ids: Iterable[int]) -> None:
         self._free.extend(block_ids)
+
+    def free_ids(self) -> list[int]:
+        """The free swap block ids (operators: the block map)."""
+        return list(self._free)

@@ -11,7 +11,6 @@ import sys
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default: none)")
     p.add_argument("--lease-s", type=float, default=5.0, help="executor heartbeat lease in seconds")
     p.add_argument("--swap-min-tokens", type=int, default=256,
                    help="preempt by swap (not recompute) from this many computed tokens")
@@ -34,8 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="child sequences of all forks of one Step (or one Fork)")
     lim.add_argument("--max-watchers", type=int, default=16, help="WatchAccounting streams open at once")
     lim.add_argument("--min-watch-interval-ms", type=int, default=100, help="WatchAccounting's shortest interval")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the live block map (and /metrics, /health) over HTTP here (0: any free port; "
+                        "default: none)")
+    p.add_argument("--http-host", default=None, help="the block map's listen address (default: --host)")
     from kvpager.security import add_security_arguments
+    from kvpager.telemetry import add_observability_arguments
+
+    add_observability_arguments(p)
 
     add_security_arguments(p, server=True, client=True, admin_token=True, open_read_only=True)
 
@@ -50,7 +55,9 @@ def config_from_args(args: argparse.Namespace):
     limits = MemoryLimits(**{name: getattr(args, name, getattr(defaults, name)) for name in (
         "max_pool_blocks", "max_total_blocks", "max_executors", "max_executor_id_chars", "max_name_chars",
         "max_fork_children", "max_watchers", "min_watch_interval_ms")})
-    return MemoryConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, lease_s=args.lease_s,
+    return MemoryConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                        metrics_host=args.metrics_host, http_port=args.http_port,
+                        http_host=args.http_host or args.host, lease_s=args.lease_s,
                         swap_min_tokens=args.swap_min_tokens, grace_s=args.grace_s,
                         redis_url=getattr(args, "redis_url", None), tls=security.server_tls(),
                         client_tls=security.client_tls(), admin_token=security.admin_token,
@@ -61,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpager.telemetry import configure_logging
     from memory_service.service import MemoryServer
 
-    configure_logging("memory", args.log_level)
+    configure_logging("memory", args.log_level, log_format=args.log_format)
     try:
         config = config_from_args(args)
     except ValueError as exc:  # inconsistent flags (e.g. a TLS cert without its key)
@@ -71,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         server = MemoryServer(config)
         await server.start()
-        print(f"memory service listening on {server.address}"
-              + (f", metrics on :{server.runtime.metrics_port}" if server.runtime.metrics_port else ""), flush=True)
         await server.serve_until_signal()
 
     asyncio.run(main())

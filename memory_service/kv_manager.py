@@ -12,11 +12,12 @@ a ``TableChanges`` (``memory_service.changes``).
 from __future__ import annotations
 
 import secrets
+from collections import deque
 from array import array
 from dataclasses import dataclass
 
 from memory_service.block import Block
-from memory_service.block_pool import BlockPool, SwapPool
+from memory_service.block_pool import RECENT_OPS, BlockPool, SwapPool
 from memory_service.changes import CacheOpsBuilder, TableChanges
 from memory_service.events import EventQueue
 from memory_service.policy import EvictionPolicy
@@ -50,6 +51,8 @@ class Counters:
     preemptions_recompute: int = 0
     preemptions_swap: int = 0
     cow_copies: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -77,6 +80,8 @@ class ExecutorKV:
         # be handed out again (say to a swap-in, after its last other holder is
         # preempted) until the step's ops are taken.
         self._copy_pins: dict[Block, int] = {}
+        # The last copy-on-write destinations (the block map flashes those since its last frame).
+        self.recent_copies: deque[int] = deque(maxlen=RECENT_OPS)
 
     # ---- prefix index -------------------------------------------------------
 
@@ -180,6 +185,7 @@ class ExecutorKV:
                 blocks[i] = new
                 seq.block_ids[i] = new.block_id
                 self.counters.cow_copies += 1
+                self.recent_copies.append(new.block_id)
             need -= len(shared)
         if need > 0:
             fresh = pool.allocate(need)
@@ -297,6 +303,7 @@ class ExecutorKV:
         seq.num_cached_blocks = 0
         seq.status = SeqStatus.SWAPPED
         self.counters.preemptions_swap += 1
+        self.counters.swapped_out_blocks += len(cpu)
 
     def swap_in(self, seq: Sequence, k: int) -> bool:
         """Bring a SWAPPED sequence back with room for k more tokens."""
@@ -308,6 +315,7 @@ class ExecutorKV:
         self.ops.swap_in_src.extend(seq.swap_blocks)
         self.ops.swap_in_dst.extend(b.block_id for b in blocks[:n])
         self.ops.deferred_swap_free.extend(seq.swap_blocks)
+        self.counters.swapped_in_blocks += n
         seq.swap_blocks = []
         seq.blocks = blocks
         seq.block_ids = array("i", [b.block_id for b in blocks])

@@ -196,7 +196,7 @@ class MemoryManager:
         seq = Sequence(new.seq_id, new.executor_id, list(new.prompt_token_ids),
                        root_hash(self._namespaces[new.executor_id], new.cache_salt),
                        priority=new.priority, arrival=next(self._arrivals),
-                       max_total_tokens=new.max_total_tokens, num_prompt_tokens=n)
+                       max_total_tokens=new.max_total_tokens, num_prompt_tokens=n, request_id=new.request_id)
         seq.token_limit = self._token_limit(seq)
         if new.prompt_block_hashes:
             seq.block_hashes = list(new.prompt_block_hashes)  # computed once, by the router
@@ -214,7 +214,8 @@ class MemoryManager:
                              priority=parent.priority, arrival=parent.arrival,
                              max_total_tokens=parent.max_total_tokens, admitted=parent.admitted,
                              num_cached_tokens=parent.num_cached_tokens,
-                             num_prompt_tokens=parent.num_prompt_tokens, token_limit=parent.token_limit)
+                             num_prompt_tokens=parent.num_prompt_tokens, token_limit=parent.token_limit,
+                             request_id=parent.request_id)
             shared += kv.fork(parent, child)
             self.seqs[child_id] = child
             kv.seq_ids.add(child_id)

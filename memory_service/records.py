@@ -24,6 +24,7 @@ class NewSeq:
     max_total_tokens: int = 0
     # the prompt's leading full-block hashes as the router computed them (None: hash here)
     prompt_block_hashes: list[bytes] | None = None
+    request_id: str = ""            # the client's, for operators (logs, the block map)
 
 
 @dataclass(slots=True)

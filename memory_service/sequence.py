@@ -43,6 +43,7 @@ class Sequence:
     # Trailing placeholders in token_ids (PLACEHOLDER): tokens an Execute in
     # flight is sampling; the next appends replace them. Never hashed.
     num_pending: int = 0
+    request_id: str = ""            # the client's request (operators only; never a key)
 
     @property
     def num_tokens(self) -> int:

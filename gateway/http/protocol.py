@@ -161,6 +161,7 @@ class Common:
     priority: int = 0
     cache_salt: str = ""
     skip_special_tokens: bool = True
+    request_id: str = ""               # the client's (vLLM's extension field); wins over X-Request-Id
 
 
 def _common(body: Body, max_tokens: int | None) -> Common:
@@ -177,7 +178,8 @@ def _common(body: Body, max_tokens: int | None) -> Common:
         raise bad_request("priority must fit in 32 bits", "priority")
     return Common(model=body.str("model"), params=params, stream=stream, include_usage=include_usage,
                   priority=priority, cache_salt=body.str("cache_salt", ""),
-                  skip_special_tokens=body.bool("skip_special_tokens", True))
+                  skip_special_tokens=body.bool("skip_special_tokens", True),
+                  request_id=body.str("request_id", "") or "")
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------

@@ -62,12 +62,12 @@ class Usage:
 class Renderer:
     """One response's bodies: ``chat`` or completions, its id, model and time."""
 
-    def __init__(self, chat: bool, model: str, token_text: TokenText, n: int) -> None:
+    def __init__(self, chat: bool, model: str, token_text: TokenText, n: int, request_id: str = "") -> None:
         self.chat = chat
         self.model = model
         self.text = token_text
         self.n = n
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # completions: characters streamed so far, per choice (text_offset)
 

@@ -88,7 +88,7 @@ class ListExecutorsResponse(_message.Message):
     def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorPoolInfo, _Mapping]]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens", "prompt_block_hashes")
+    __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens", "prompt_block_hashes", "request_id")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class NewSequence(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     executor_id: str
     prompt_token_ids: bytes
@@ -103,7 +104,8 @@ class NewSequence(_message.Message):
     cache_salt: str
     max_total_tokens: int
     prompt_block_hashes: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ...) -> None: ...
+    request_id: str
+    def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "appended", "forks", "free_seq_ids", "abort_seq_ids", "new_sequences", "schedule_seq_ids", "schedule_num_tokens", "pending_seq_ids")
@@ -186,7 +188,7 @@ class FreeResponse(_message.Message):
     def __init__(self, blocks_released: _Optional[int] = ...) -> None: ...
 
 class PoolAccounting(_message.Message):
-    __slots__ = ("executor_id", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots", "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks", "copy_on_write_copies", "evictions", "block_size")
+    __slots__ = ("executor_id", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots", "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks", "copy_on_write_copies", "evictions", "block_size", "swapped_out_blocks", "swapped_in_blocks")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +214,8 @@ class PoolAccounting(_message.Message):
     COPY_ON_WRITE_COPIES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     total_blocks: int
     free_blocks: int
@@ -237,7 +241,9 @@ class PoolAccounting(_message.Message):
     copy_on_write_copies: int
     evictions: int
     block_size: int
-    def __init__(self, executor_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., live_tokens: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., logical_blocks: _Optional[int] = ..., physical_blocks: _Optional[int] = ..., sharing_saved_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., contiguous_equivalent_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., copy_on_write_copies: _Optional[int] = ..., evictions: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    def __init__(self, executor_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., live_tokens: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., logical_blocks: _Optional[int] = ..., physical_blocks: _Optional[int] = ..., sharing_saved_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., contiguous_equivalent_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., copy_on_write_copies: _Optional[int] = ..., evictions: _Optional[int] = ..., block_size: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ...) -> None: ...
 
 class AccountingRequest(_message.Message):
     __slots__ = ("executor_id",)

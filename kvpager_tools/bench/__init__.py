@@ -16,6 +16,7 @@ BENCHMARKS = {
     "overhead": "kvpager_tools.bench.overhead",
     "routing": "kvpager_tools.bench.routing",
     "penalties": "kvpager_tools.bench.penalties",
+    "blockmap": "kvpager_tools.bench.blockmap",
 }
 
 

@@ -33,7 +33,7 @@ def test_up_two_executors_exact_command_lines():
     assert [c.name for c in children] == ["memory", "executor-0", "executor-1", "gateway"]
     # each child runs its service's own entry point (python -m <service>)
     assert children[0].argv == [PY, "-m", "memory_service", "--host", "127.0.0.1", "--port", "50051",
-                                "--metrics-port", "9100", "--redis-url", "redis://cache:6379/0",
+                                "--metrics-port", "9100", "--http-port", "8001", "--redis-url", "redis://cache:6379/0",
                                 "--log-level", "INFO"]
     for i in range(2):
         assert children[1 + i].argv == [
@@ -60,6 +60,9 @@ def test_up_defaults_embedded_no_redis_no_metrics_cpu():
     children = children_for()
     flat = [arg for c in children for arg in c.argv]
     assert "--redis-url" not in flat and "--metrics-port" not in flat
+    memory = children[0].argv
+    assert memory[memory.index("--http-port") + 1] == "8001"  # the block map, on by default
+    assert "--http-port" not in children_for("--no-blockmap")[0].argv
     assert "--num-blocks" not in flat and "--kv-cache-gib" not in flat  # the executor sizes its pool
     executor = children[1].argv
     assert executor[executor.index("--device") + 1] == "cpu"
@@ -98,7 +101,8 @@ def test_extra_args_go_last_per_role():
 
 def test_free_ports():
     config = StackConfig(num_executors=3, metrics_base_port=0).on_free_ports()
-    ports = [config.memory_port, config.gateway_port, config.http_port, *(config.executor_base_port + i for i in range(3)),
+    ports = [config.memory_port, config.gateway_port, config.http_port, config.blockmap_port,
+             *(config.executor_base_port + i for i in range(3)),
              *(config.metrics_base_port + i for i in range(5))]
     assert len(set(ports)) == len(ports) and all(p > 0 for p in ports)
     filled = StackConfig(memory_port=0).with_ports_filled()
@@ -188,6 +192,17 @@ def test_stack_end_to_end_demo_model(tmp_path, monkeypatch):
 
         models = json.loads(urllib.request.urlopen(f"{a.http}/v1/models", timeout=10).read())
         assert models["data"][0]["id"] == "demo" and models["data"][0]["max_model_len"] > 0
+        # the memory child serves the block map, and `kvpager up` prints where
+        assert "kvpager block map" in urllib.request.urlopen(a.blockmap, timeout=10).read().decode()
+        import io
+
+        from rich.console import Console
+
+        from kvpager_tools.stack import _print_ready
+
+        out = io.StringIO()
+        _print_ready(stack, Console(file=out, width=200))
+        assert f"the live block map: {a.blockmap}" in out.getvalue()
 
         # The finished sequence's blocks go back with the gateway's next step.
         deadline = time.monotonic() + 15
@@ -205,6 +220,9 @@ def test_stack_end_to_end_demo_model(tmp_path, monkeypatch):
     assert set(codes) == {"memory", "executor-0", "gateway"}
     assert all(p.poll() is not None for p in stack.procs.values())
     assert codes == {"memory": 0, "executor-0": 0, "gateway": 0}, codes  # graceful, not killed
+    for name in codes:  # JSON logs only: no plain-text banner from any service
+        for line in stack.log_path(name).read_text().splitlines():
+            assert isinstance(json.loads(line), dict), (name, line)
 
 
 def test_cpu_executors_split_the_cores(monkeypatch):
