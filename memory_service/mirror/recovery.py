@@ -24,8 +24,12 @@ answers the step_id A of the last Execute the pool applied.
   runs through one, are left out; the rest is rebuilt, and the record then
   stands for step A. If the executor's log no longer reaches back to P, the
   executor is dropped.
-* A < P (a plan published but never executed): blocks the mirror calls
-  computed may never have been written; the executor is dropped.
+* A < P (a plan published but not executed yet): blocks the mirror calls
+  computed may not have been written. With steps planned ahead this is the
+  usual case under load: the gateway had already sent Execute P, queued
+  behind the step the executor was running. So ConfirmPool is asked again
+  until the executor has applied P (`catch_up_s`); if it never does (the
+  plan never reached it), the executor is dropped.
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ class RecoveryReport:
 
 
 async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmFn,
-                  confirm_timeout_s: float = 1.0, page: int = 4096) -> RecoveryReport:
+                  confirm_timeout_s: float = 1.0, page: int = 4096, catch_up_s: float = 2.0) -> RecoveryReport:
     """Rebuild confirmed executors' cached blocks into `state`; drop the rest
     from the mirror. Redis errors propagate (the caller starts cold)."""
     client = writer.client
@@ -122,10 +126,16 @@ async def recover(state: MemoryState, writer: MirrorWriter, *, confirm: ConfirmF
             return None, f"malformed record: {exc}", None
         if not spec.address:
             return None, "no address to confirm with", None
-        answer = confirmed_answer(await confirm(spec.address, spec.incarnation, spec.pool_generation,
-                                                confirm_timeout_s, published))
-        if answer is None:
-            return None, "not confirmed by the executor", None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + catch_up_s
+        while True:
+            answer = confirmed_answer(await confirm(spec.address, spec.incarnation, spec.pool_generation,
+                                                    confirm_timeout_s, published))
+            if answer is None:
+                return None, "not confirmed by the executor", None
+            if answer.applied >= published or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.02)  # Executes already sent to it are still running: let it catch up
         if answer.applied > published and answer.written is None:
             return None, (f"step fence: the executor applied step {answer.applied}, the mirror was flushed "
                           f"only up to step {published}, and the blocks written since are not known"), None
