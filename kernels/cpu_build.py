@@ -11,11 +11,13 @@ them off. Where they are missing the executor runs the torch references
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +33,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 _lock = threading.Lock()
 _state: dict = {}
+# How long a process waits for another one building the same kernels.
+BUILD_WAIT_S = 900.0
 
 
 def _tag() -> str:
@@ -77,9 +81,44 @@ def _build() -> bool:
 
     name = f"kvpager_cpu_{_tag()}"
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    if not (build_dir / f"{name}.so").exists():
-        log.info("compiling the C++ CPU kernels (once per machine, about half a minute) in %s", build_dir)
-    cpp_extension.load(name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=CFLAGS,
-                       extra_ldflags=["-fopenmp"], extra_include_paths=[str(SOURCE_DIR)],
-                       is_python_module=False, verbose=False)
+    with _build_lock(build_dir, BUILD_WAIT_S):
+        if not (build_dir / f"{name}.so").exists():
+            log.info("compiling the C++ CPU kernels (once per machine, about half a minute) in %s", build_dir)
+        cpp_extension.load(name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=CFLAGS,
+                           extra_ldflags=["-fopenmp"], extra_include_paths=[str(SOURCE_DIR)],
+                           is_python_module=False, verbose=False)
     return _loaded()
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path, wait_s: float):
+    """One builder per build directory, and never a wait on a dead one.
+
+    torch's own lock is a file that exists while someone builds: a build
+    killed midway (Ctrl-C during the first compile, a SIGKILLed executor)
+    leaves it behind, and every later load waits for it forever. An flock
+    dies with its process; whoever holds it is the only kvpager builder, so
+    a torch lock file found then is stale and goes. Waiting for a live
+    builder is bounded: past ``wait_s`` the caller gets an error (and the
+    executor the torch references)."""
+    import fcntl  # Linux and the like: the kernels are built with -march=native there only
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "kvpager.flock", "a") as f:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {build_dir} for over {wait_s:g} s") from None
+                time.sleep(0.2)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a stale build lock left by an interrupted build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
