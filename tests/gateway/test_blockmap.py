@@ -54,12 +54,17 @@ class Gate:
     """Holds the gateway's Step calls: the memory service's state stays as it
     is, sequences mid-generation, until ``open``."""
 
-    def __init__(self, memory_client) -> None:
+    def __init__(self, memory_client, open_steps: int | None = None) -> None:
         self.client, self.step = memory_client, memory_client.step
         self.event = asyncio.Event()
         self.event.set()
+        self.open_steps = open_steps  # Steps let through before it closes by itself (None: until close())
 
         async def step(request, timeout_s=None):
+            if self.open_steps is not None:
+                if self.open_steps <= 0:
+                    self.event.clear()
+                self.open_steps -= 1
             await self.event.wait()
             return await self.step(request, timeout_s)
 
@@ -118,7 +123,9 @@ async def test_page_grid_counts_and_selection_match_the_memory_service(stack, br
     await until(lambda: page.evaluate("window.blockmap.stats().updates >= 2"), what="the first updates")
     assert await page.evaluate("window.blockmap.S.views.get('executor-0').cells.length") == 48
 
-    gate = Gate(stack.gateway.engine.memory)
+    # Closes by itself after a few Steps (prefills and some decodes): on a quiet machine the
+    # whole load finishes in ~0.3 s, before a close() timed from here would land.
+    gate = Gate(stack.gateway.engine.memory, open_steps=6)
     prefix = list(range(10, 22))
     load = asyncio.ensure_future(asyncio.gather(
         *[generate(stack.gw, prefix + [60 + i] * 5, max_tokens=24, ignore_eos=True, request_id=f"map-{i}")
