@@ -31,19 +31,11 @@ def available() -> bool:
 
 
 @dataclass(slots=True)
-class _LongChunk:
-    start: int
-    stop: int
-    mask: Optional[torch.Tensor]  # [Q, L] bool; None = plain causal (no cached context)
-    gather: object                # reference._Gather of this sequence's context
-
-
-@dataclass(slots=True)
 class CpuAttentionPlan:
     """One forward's split of the batch, shared by every layer."""
 
     short_seqs: torch.Tensor                  # [Ss] int64: sequences for the in-place kernel
-    long_chunks: list = field(default_factory=list)  # [_LongChunk]
+    long_chunks: list = field(default_factory=list)  # [reference._Prefill]: gathered once, SDPA
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -54,14 +46,8 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
     short = torch.nonzero(q_lens <= SHORT_QUERY).flatten()
     plan = CpuAttentionPlan(short_seqs=short.contiguous())
     for s in torch.nonzero(q_lens > SHORT_QUERY).flatten().tolist():
-        start, stop = int(qsl[s]), int(qsl[s + 1])
-        n_q, n_kv = stop - start, int(lens[s])
-        mask = None
-        if n_q != n_kv:  # a chunk after cached context: causal, aligned to the end
-            q_pos = torch.arange(n_kv - n_q, n_kv)
-            mask = torch.arange(n_kv)[None, :] <= q_pos[:, None]  # [Q, L]
-        plan.long_chunks.append(_LongChunk(start, stop, mask, reference._gather_plan(
-            block_tables[s : s + 1], n_kv, None, block_size, num_blocks)))
+        plan.long_chunks.append(reference._plan_prefill(block_tables, s, qsl, lens, block_size, num_blocks,
+                                                        block_tables.device))
     return plan
 
 
@@ -91,9 +77,5 @@ def paged_attention(
         torch.ops.kvpager_cpu.paged_attention(out, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
                                               qsl.contiguous(), plan.short_seqs, float(scale))
     for c in plan.long_chunks:
-        k = reference._gather(k_cache, c.gather)  # [1, L, KVH, D]
-        v = reference._gather(v_cache, c.gather)
-        qs = q[c.start : c.stop].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        o = reference._attend(qs, k.transpose(1, 2), v.transpose(1, 2), c.mask, scale, is_causal=c.mask is None)
-        out[c.start : c.stop] = o[0].transpose(0, 1).to(out.dtype)
+        reference._attend_prefill(q, k_cache, v_cache, c, scale, out)
     return out

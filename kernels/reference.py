@@ -186,15 +186,29 @@ def plan_attention(
                 rows=qsl[:-1][seqs].to(device), mask=mask[:, None, None, :],
                 gather=_gather_plan(block_tables[seqs_dev], max_len, d_lens_dev, block_size, num_blocks)))
     for s in torch.nonzero(q_lens > 1).flatten().tolist():
-        start, stop = int(qsl[s]), int(qsl[s + 1])
-        n_q, n_kv = stop - start, int(lens[s])
-        mask = None
-        if n_q != n_kv:  # a chunk after cached context: causal, aligned to the end
-            q_pos = torch.arange(n_kv - n_q, n_kv, device=device)  # [Q]
-            mask = torch.arange(n_kv, device=device)[None, :] <= q_pos[:, None]  # [Q, L]
-        plan.prefills.append(_Prefill(start, stop, mask,
-                                      _gather_plan(block_tables[s : s + 1], n_kv, None, block_size, num_blocks)))
+        plan.prefills.append(_plan_prefill(block_tables, s, qsl, lens, block_size, num_blocks, device))
     return plan
+
+
+def _plan_prefill(block_tables, s: int, qsl, lens, block_size: int, num_blocks: int, device) -> _Prefill:
+    """Sequence s's chunk: its query rows, the mask and its context's gather."""
+    start, stop = int(qsl[s]), int(qsl[s + 1])
+    n_q, n_kv = stop - start, int(lens[s])
+    mask = None
+    if n_q != n_kv:  # a chunk after cached context: causal, aligned to the end
+        q_pos = torch.arange(n_kv - n_q, n_kv, device=device)  # [Q]
+        mask = torch.arange(n_kv, device=device)[None, :] <= q_pos[:, None]  # [Q, L]
+    return _Prefill(start, stop, mask, _gather_plan(block_tables[s : s + 1], n_kv, None, block_size, num_blocks))
+
+
+def _attend_prefill(q, k_cache, v_cache, p: _Prefill, scale: float, out: torch.Tensor) -> None:
+    """One chunk: its context gathered once, then SDPA; writes out[p.start:p.stop]."""
+    k = _gather(k_cache, p.gather)  # [1, L, KVH, D]
+    v = _gather(v_cache, p.gather)
+    qs = q[p.start : p.stop].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+    # No cached context: plain causal (the kernel skips masked blocks).
+    o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), p.mask, scale, is_causal=p.mask is None)
+    out[p.start : p.stop] = o[0].transpose(0, 1).to(out.dtype)
 
 
 def _attend(
@@ -262,12 +276,7 @@ def paged_attention(
         o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), d.mask, scale)
         out.index_copy_(0, d.rows, o.reshape(sd, num_heads, head_dim).to(out.dtype))
     for p in plan.prefills:
-        k = _gather(k_cache, p.gather)  # [1, L, KVH, D]
-        v = _gather(v_cache, p.gather)
-        qs = q[p.start : p.stop].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        # No cached context: plain causal (the kernel skips masked blocks).
-        o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), p.mask, scale, is_causal=p.mask is None)
-        out[p.start : p.stop] = o[0].transpose(0, 1).to(out.dtype)
+        _attend_prefill(q, k_cache, v_cache, p, scale, out)
     return out
 
 
