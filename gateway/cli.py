@@ -27,14 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", default=None,
                       help=f"require this bearer token on /v1 (default: ${API_KEY_ENV}; the --auth-token is "
                            "accepted too)")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens each executor computes per step")
-    p.add_argument("--max-running", type=int, default=64, help="sequences each executor runs per step")
-    p.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
-                   help="plan each step only after the previous one returned (default: the next step of an "
-                        "executor is planned and sent while its current one runs)")
-    p.add_argument("--max-waiting", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
+    add_scheduling_arguments(p)
     p.add_argument("--max-n", type=int, default=8, help="largest n / beam_width accepted")
-    p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--load-weight-tokens", type=float, default=16.0,
                    help="routing: one queued sequence costs this many prefix tokens")
     p.add_argument("--redis-url", default=None, help="score prefixes from the Redis mirror")
@@ -68,6 +62,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_observability_arguments(p)
 
     add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True)
+
+
+# The scheduling flags' destinations: `kvpager up` offers the same group and passes each one on.
+SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "plan_ahead")
+
+
+def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    """The continuous-batching loop's options (one definition: the gateway's
+    parser and `kvpager up` both call this)."""
+    from gateway.scheduling import DEFAULT_POLICY, POLICIES
+
+    g = p.add_argument_group("scheduling (docs/api.md, Priorities)")
+    g.add_argument("--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
+                   help="step order: priority (default: a request's priority, lower first, then FCFS among "
+                        "equals) or fcfs (arrival only; priorities ignored)")
+    g.add_argument("--max-batch-tokens", type=int, default=512, help="tokens each executor computes per step")
+    g.add_argument("--max-running", type=int, default=64, help="sequences each executor runs per step")
+    g.add_argument("--max-waiting", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
+    g.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
+                   help="plan each step only after the previous one returned (default: the next step of an "
+                        "executor is planned and sent while its current one runs)")
+
+
+def scheduling_argv(args: argparse.Namespace) -> list[str]:
+    """The gateway flags that reproduce ``args``' scheduling options."""
+    argv = ["--policy", args.policy, "--max-batch-tokens", str(args.max_batch_tokens),
+            "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting)]
+    if not args.plan_ahead:
+        argv.append("--no-plan-ahead")
+    return argv
 
 
 def config_from_args(args: argparse.Namespace):

@@ -733,14 +733,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--demo", action="store_true",
                    help="run a short streaming demo against the stack, show block accounting, then stop "
                         f"(pool of {DEMO_NUM_BLOCKS} blocks unless sized)")
+    from gateway.cli import add_scheduling_arguments
     from kvpager.security import add_security_arguments
 
+    add_scheduling_arguments(p)  # passed on to the gateway, every one
     # Passed to every child: TLS files as flags, tokens through the environment.
     add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True, open_read_only=True)
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> StackConfig:
+    from gateway.cli import scheduling_argv
     from kvpager.security import security_from_args
 
     security = security_from_args(args)
@@ -757,6 +760,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         model_impl=args.model_impl, log_dir=args.log_dir,
         log_level=args.log_level, ready_timeout_s=args.ready_timeout_s, grace_s=args.grace_s,
+        extra_args={"gateway": scheduling_argv(args)},
         security=security if security.enabled or security.open_read_only else None)
 
 
