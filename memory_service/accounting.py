@@ -2,8 +2,21 @@
 
 The seeds' whole argument made visible: how many blocks are used, how full
 they are, how much sharing saves, how often prefixes hit, and what a
-contiguous max-length reservation would have needed for the same sequences.
+contiguous reservation would have needed for the same sequences.
 Computed on demand (O(blocks held)); never on the allocation path.
+
+Figures that read alike are kept apart so none can be misread for another:
+
+* ``block_usage`` (used blocks / pool blocks) beside ``token_occupancy``
+  (live tokens / pool token slots) and ``kv_utilization`` (live tokens /
+  slots of the used blocks: the fill of what is allocated);
+* ``prefix_hit_rate`` is over first prefills only; a re-admission after a
+  preemption by recompute counts in ``recompute_*`` (its hits are the
+  sequence finding its own blocks again, not sharing);
+* two contiguous counterfactuals for the sequences holding KV:
+  ``contiguous_equivalent_blocks`` reserves the full context per sequence
+  (the seeds' worst case), ``contiguous_declared_blocks`` what each request
+  declared (prompt + max_tokens, Orca's "max" setting).
 """
 
 from __future__ import annotations
@@ -25,16 +38,22 @@ class PoolAccounting:
     live_tokens: int = 0
     allocated_slots: int = 0
     kv_utilization: float = 0.0
+    block_usage: float = 0.0
+    token_occupancy: float = 0.0
     logical_blocks: int = 0
     physical_blocks: int = 0
     sharing_saved_blocks: int = 0
     prefix_hit_rate: float = 0.0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    recompute_query_tokens: int = 0
+    recompute_hit_tokens: int = 0
+    recompute_hit_rate: float = 0.0
     preemptions: int = 0
     preemptions_recompute: int = 0
     preemptions_swap: int = 0
     contiguous_equivalent_blocks: int = 0
+    contiguous_declared_blocks: int = 0
     num_sequences: int = 0
     num_swapped_sequences: int = 0
     swap_total_blocks: int = 0
@@ -53,12 +72,17 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _ratio(a: int, b: int) -> float:
+    return a / b if b else 0.0
+
+
 def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccounting:
     bs = kv.block_size
     pool = kv.pool
     filled: dict[int, int] = {}   # block id -> slots written (max over sharers)
     logical = 0
     running = swapped = 0
+    declared = 0
     max_len = kv.spec.max_model_len or kv.spec.num_blocks * bs
     for seq_id in kv.seq_ids:
         seq = seqs[seq_id]
@@ -67,6 +91,7 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccoun
         if not seq.blocks:
             continue
         running += 1
+        declared += _cdiv(seq.token_limit or max_len, bs)
         logical += len(seq.blocks)
         n = seq.num_computed
         for i, block in enumerate(seq.blocks):
@@ -86,16 +111,22 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccoun
         live_tokens=live,
         allocated_slots=used * bs,
         kv_utilization=live / (used * bs) if used else 0.0,
+        block_usage=used / pool.num_blocks,
+        token_occupancy=live / (pool.num_blocks * bs),
         logical_blocks=logical,
         physical_blocks=physical,
         sharing_saved_blocks=logical - physical,
         prefix_hit_rate=c.prefix_hit_tokens / c.prefix_query_tokens if c.prefix_query_tokens else 0.0,
         prefix_query_tokens=c.prefix_query_tokens,
         prefix_hit_tokens=c.prefix_hit_tokens,
+        recompute_query_tokens=c.recompute_query_tokens,
+        recompute_hit_tokens=c.recompute_hit_tokens,
+        recompute_hit_rate=_ratio(c.recompute_hit_tokens, c.recompute_query_tokens),
         preemptions=c.preemptions_recompute + c.preemptions_swap,
         preemptions_recompute=c.preemptions_recompute,
         preemptions_swap=c.preemptions_swap,
         contiguous_equivalent_blocks=running * _cdiv(max_len, bs),
+        contiguous_declared_blocks=declared,
         num_sequences=running,
         num_swapped_sequences=swapped,
         swap_total_blocks=kv.swap.num_blocks,
@@ -110,7 +141,9 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccoun
 
 _SUMMED = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots",
            "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_query_tokens", "prefix_hit_tokens",
+           "recompute_query_tokens", "recompute_hit_tokens",
            "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks",
+           "contiguous_declared_blocks",
            "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks",
            "copy_on_write_copies", "evictions", "swapped_out_blocks", "swapped_in_blocks")
 
@@ -122,9 +155,11 @@ def total_accounting(parts: list[PoolAccounting]) -> PoolAccounting:
             setattr(total, name, getattr(total, name) + getattr(part, name))
     sizes = {p.block_size for p in parts}
     total.block_size = sizes.pop() if len(sizes) == 1 else 0
-    total.kv_utilization = total.live_tokens / total.allocated_slots if total.allocated_slots else 0.0
-    total.prefix_hit_rate = (total.prefix_hit_tokens / total.prefix_query_tokens
-                             if total.prefix_query_tokens else 0.0)
+    total.kv_utilization = _ratio(total.live_tokens, total.allocated_slots)
+    total.block_usage = _ratio(total.used_blocks, total.total_blocks)
+    total.token_occupancy = _ratio(total.live_tokens, sum(p.total_blocks * p.block_size for p in parts))
+    total.prefix_hit_rate = _ratio(total.prefix_hit_tokens, total.prefix_query_tokens)
+    total.recompute_hit_rate = _ratio(total.recompute_hit_tokens, total.recompute_query_tokens)
     return total
 
 

@@ -188,7 +188,7 @@ class FreeResponse(_message.Message):
     def __init__(self, blocks_released: _Optional[int] = ...) -> None: ...
 
 class PoolAccounting(_message.Message):
-    __slots__ = ("executor_id", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots", "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks", "copy_on_write_copies", "evictions", "block_size", "swapped_out_blocks", "swapped_in_blocks")
+    __slots__ = ("executor_id", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots", "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks", "copy_on_write_copies", "evictions", "block_size", "swapped_out_blocks", "swapped_in_blocks", "block_usage", "token_occupancy", "recompute_query_tokens", "recompute_hit_tokens", "recompute_hit_rate", "contiguous_declared_blocks")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,12 @@ class PoolAccounting(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    CONTIGUOUS_DECLARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     total_blocks: int
     free_blocks: int
@@ -243,7 +249,13 @@ class PoolAccounting(_message.Message):
     block_size: int
     swapped_out_blocks: int
     swapped_in_blocks: int
-    def __init__(self, executor_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., live_tokens: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., logical_blocks: _Optional[int] = ..., physical_blocks: _Optional[int] = ..., sharing_saved_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., contiguous_equivalent_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., copy_on_write_copies: _Optional[int] = ..., evictions: _Optional[int] = ..., block_size: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ...) -> None: ...
+    block_usage: float
+    token_occupancy: float
+    recompute_query_tokens: int
+    recompute_hit_tokens: int
+    recompute_hit_rate: float
+    contiguous_declared_blocks: int
+    def __init__(self, executor_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., live_tokens: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., logical_blocks: _Optional[int] = ..., physical_blocks: _Optional[int] = ..., sharing_saved_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., contiguous_equivalent_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., copy_on_write_copies: _Optional[int] = ..., evictions: _Optional[int] = ..., block_size: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ..., block_usage: _Optional[float] = ..., token_occupancy: _Optional[float] = ..., recompute_query_tokens: _Optional[int] = ..., recompute_hit_tokens: _Optional[int] = ..., recompute_hit_rate: _Optional[float] = ..., contiguous_declared_blocks: _Optional[int] = ...) -> None: ...
 
 class AccountingRequest(_message.Message):
     __slots__ = ("executor_id",)
