@@ -13,6 +13,8 @@ Figures that read alike are kept apart so none can be misread for another:
 * ``prefix_hit_rate`` is over first prefills only; a re-admission after a
   preemption by recompute counts in ``recompute_*`` (its hits are the
   sequence finding its own blocks again, not sharing);
+* ``preempt_*``: the mode policy's estimates summed over its decisions,
+  beside the executor's measured rates they came from;
 * two contiguous counterfactuals for the sequences holding KV:
   ``contiguous_equivalent_blocks`` reserves the full context per sequence
   (the seeds' worst case), ``contiguous_declared_blocks`` what each request
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from memory_service.costs import ExecutorCosts
 from memory_service.kv_manager import ExecutorKV
 from kvpager.seq_status import SeqStatus
 from memory_service.sequence import Sequence
@@ -63,6 +66,12 @@ class PoolAccounting:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     block_size: int = 0
+    preempt_recompute_tokens: int = 0
+    preempt_swap_bytes: int = 0
+    preempt_cost_s: float = 0.0
+    preempt_saved_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    swap_bytes_per_s: float = 0.0
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -76,7 +85,9 @@ def _ratio(a: int, b: int) -> float:
     return a / b if b else 0.0
 
 
-def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccounting:
+def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence], costs: ExecutorCosts | None = None
+                        ) -> PoolAccounting:
+    """One executor's figures; ``costs``: what it last measured (shown beside the estimates made from it)."""
     bs = kv.block_size
     pool = kv.pool
     filled: dict[int, int] = {}   # block id -> slots written (max over sharers)
@@ -136,6 +147,12 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccoun
         swapped_out_blocks=c.swapped_out_blocks,
         swapped_in_blocks=c.swapped_in_blocks,
         block_size=bs,
+        preempt_recompute_tokens=c.preempt_recompute_tokens,
+        preempt_swap_bytes=c.preempt_swap_bytes,
+        preempt_cost_s=c.preempt_cost_s,
+        preempt_saved_s=c.preempt_saved_s,
+        prefill_tokens_per_s=costs.prefill_tokens_per_s[-1] if costs and costs.prefill_tokens_per_s else 0.0,
+        swap_bytes_per_s=costs.swap_bytes_per_s if costs else 0.0,
     )
 
 
@@ -145,7 +162,8 @@ _SUMMED = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_
            "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks",
            "contiguous_declared_blocks",
            "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks",
-           "copy_on_write_copies", "evictions", "swapped_out_blocks", "swapped_in_blocks")
+           "copy_on_write_copies", "evictions", "swapped_out_blocks", "swapped_in_blocks",
+           "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s")
 
 
 def total_accounting(parts: list[PoolAccounting]) -> PoolAccounting:

@@ -55,6 +55,11 @@ class Counters:
     cow_copies: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    # The planner's preemption estimates (memory_service.policy), summed over its decisions:
+    preempt_recompute_tokens: int = 0  # prefill to redo, of the victims recomputed
+    preempt_swap_bytes: int = 0        # host-link bytes (out + in), of the victims swapped
+    preempt_cost_s: float = 0.0        # the chosen modes' estimated seconds (where measured)
+    preempt_saved_s: float = 0.0       # the other modes' seconds minus the chosen ones' (both measured)
 
 
 def _cdiv(a: int, b: int) -> int:

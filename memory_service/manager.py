@@ -22,7 +22,8 @@ from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 from memory_service.limits import MemoryLimits, check_name
 from memory_service.planner import Planner
-from memory_service.policy import EvictionPolicy, ModePolicy, VictimEligibility, VictimPolicy
+from memory_service.costs import ExecutorCosts
+from memory_service.policy import CostModePolicy, EvictionPolicy, ModePolicy, VictimEligibility, VictimPolicy
 from memory_service.records import NewSeq, PrefixScore, Rejected, RejectionReason, StepInput, StepOutput
 from memory_service.sequence import PLACEHOLDER, Sequence
 from memory_service.validation import DecodeStep, StepValidator
@@ -34,24 +35,26 @@ class MemoryManager:
                  eviction: EvictionPolicy | None = None, limits: MemoryLimits | None = None) -> None:
         self.limits = limits or MemoryLimits()
         self.victim_policy = victim_policy or VictimPolicy()
-        self.mode_policy = mode_policy or ModePolicy()
+        self.mode_policy = mode_policy or CostModePolicy()
         self.eviction = eviction or EvictionPolicy()
         self.events = events if events is not None else EventQueue()
         self.executors: dict[str, ExecutorKV] = {}
         self.seqs: dict[int, Sequence] = {}
         self._namespaces: dict[str, bytes] = {}
+        self.costs: dict[str, ExecutorCosts] = {}  # executor id -> what it last measured (mode policy input)
         self.validator = StepValidator(self.seqs, self.executors, max_fork_children=self.limits.max_fork_children)
         self.planner = Planner(self.seqs, self.executors, eligibility=eligibility or VictimEligibility(),
-                               victims=self.victim_policy, modes=self.mode_policy)
+                               victims=self.victim_policy, modes=self.mode_policy, costs=self.costs)
         self._arrivals = itertools.count()
         self.last_step_id = 0
         self._last_output: StepOutput | None = None
 
     # ---- executors ------------------------------------------------------------
 
-    def register_executor(self, spec: ExecutorSpec) -> bool:
+    def register_executor(self, spec: ExecutorSpec, costs: ExecutorCosts | None = None) -> bool:
         """Add (or replace) an executor's pool. Returns True when an earlier
-        incarnation was dropped together with its sequences."""
+        incarnation was dropped together with its sequences. ``costs``: what
+        it measured so far (kept until the next report)."""
         if spec.num_blocks <= 0 or spec.block_size <= 0 or spec.num_swap_blocks < 0:
             raise InvalidArgument("num_blocks and block_size must be positive, num_swap_blocks >= 0")
         if not spec.executor_id:
@@ -63,12 +66,21 @@ class MemoryManager:
                     and old.spec.num_blocks == spec.num_blocks and old.spec.block_size == spec.block_size)
             if same:
                 old.spec.address = spec.address or old.spec.address
+                self.update_costs(spec.executor_id, costs)
                 return False
             self._drop_executor(old)
         self.executors[spec.executor_id] = ExecutorKV(spec, self.events, self.eviction)
+        self.costs.pop(spec.executor_id, None)
+        self.update_costs(spec.executor_id, costs)
         self._namespaces[spec.executor_id] = namespace_digest(spec.model_id, spec.block_size, spec.dtype,
                                                               spec.adapter)
         return old is not None
+
+    def update_costs(self, executor_id: str, costs: ExecutorCosts | None) -> None:
+        """An executor's newest measurements (registration, heartbeats); None keeps the last."""
+        self._executor(executor_id)
+        if costs is not None:
+            self.costs[executor_id] = costs
 
     def _check_registration(self, spec: ExecutorSpec) -> None:
         """Names, pool sizes and the registry's room, before anything is built."""
@@ -95,6 +107,7 @@ class MemoryManager:
                                      f"not {incarnation}")
         dropped = self._drop_executor(kv)
         del self.executors[executor_id]
+        self.costs.pop(executor_id, None)
         return dropped
 
     def _drop_executor(self, kv: ExecutorKV) -> int:
@@ -282,7 +295,7 @@ class MemoryManager:
     def accounting(self, executor_id: str = "") -> tuple[PoolAccounting, list[PoolAccounting]]:
         """(total, per executor); with executor_id, only that executor."""
         kvs = [self._executor(executor_id)] if executor_id else list(self.executors.values())
-        parts = [executor_accounting(kv, self.seqs) for kv in kvs]
+        parts = [executor_accounting(kv, self.seqs, self.costs.get(kv.spec.executor_id)) for kv in kvs]
         return total_accounting(parts), parts
 
     def check_invariants(self) -> list[str]:

@@ -6,7 +6,8 @@ tokens (copy-on-write where it would write into a shared block), a swapped
 one is swapped in, a waiting one is admitted (prefix hits first). When that
 fails, ``make_room`` preempts: the eligibility policy says who may give
 blocks back, the victim policy who goes first, the mode policy how (swap or
-recompute). Allocation for one sequence either succeeds or that sequence is
+recompute, from both modes' estimated cost at the executor's measured
+rates; the decision and its estimate go into the step's output). Allocation for one sequence either succeeds or that sequence is
 not scheduled: failure never leaves partial state.
 
 An executor's plan lists its rows (sequence, tokens computed now), the
@@ -22,8 +23,10 @@ from collections.abc import Callable
 
 from kvpager.seq_status import SeqStatus
 from memory_service.block import Block
+from memory_service.costs import ExecutorCosts
 from memory_service.kv_manager import ExecutorKV
-from memory_service.policy import ModePolicy, PreemptionMode, VictimEligibility, VictimPolicy
+from memory_service.policy import (ModePolicy, PreemptionDecision, PreemptionMode, VictimEligibility, VictimPolicy,
+                                   estimate_preemption)
 from memory_service.records import ExecutorStepPlan, StepInput, StepOutput
 from memory_service.sequence import Sequence
 from memory_service.validation import DecodeStep
@@ -50,9 +53,11 @@ def _rows_of(seqs: list[Sequence]) -> Rows:
 
 class Planner:
     def __init__(self, seqs: dict[int, Sequence], executors: dict[str, ExecutorKV], *,
-                 eligibility: VictimEligibility, victims: VictimPolicy, modes: ModePolicy) -> None:
+                 eligibility: VictimEligibility, victims: VictimPolicy, modes: ModePolicy,
+                 costs: dict[str, ExecutorCosts] | None = None) -> None:
         self.seqs = seqs
         self.executors = executors
+        self.costs = costs if costs is not None else {}  # executor id -> its last measured costs
         self.eligibility = eligibility
         self.victims = victims
         self.modes = modes
@@ -218,18 +223,36 @@ class Planner:
                 free = kv.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
                 if free + reclaimable < need:
                     return False
-            victim = self.victims.select(candidates)
-            self.preempt(victim, kv, out, preempted)
+            taken = max(1, need - kv.pool.num_free)  # what the requester takes of a victim's freed blocks
+            costs = self.costs.get(kv.spec.executor_id)
+            victim = self.victims.select(candidates, lambda s: estimate_preemption(
+                s, kv.block_size, kv.swap.num_free, costs, taken))
+            self.preempt(victim, kv, out, preempted, taken)
             if victim is seq:
                 return False
             if attempt():
                 return True
 
-    def preempt(self, victim: Sequence, kv: ExecutorKV, out: StepOutput, preempted: set[int]) -> None:
-        mode = self.modes.choose(victim, kv.swap.num_free)
+    def preempt(self, victim: Sequence, kv: ExecutorKV, out: StepOutput, preempted: set[int],
+                taken_blocks: int = 1) -> PreemptionDecision:
+        est = estimate_preemption(victim, kv.block_size, kv.swap.num_free, self.costs.get(kv.spec.executor_id),
+                                  taken_blocks)
+        decision = self.modes.choose(victim, est)
+        mode = decision.mode
+        c = kv.counters
         if mode is PreemptionMode.SWAP:
             kv.preempt_swap(victim)
+            c.preempt_swap_bytes += 2 * est.swap_bytes
         else:
             kv.preempt_recompute(victim)
+            c.preempt_recompute_tokens += est.recompute_tokens
+        chosen, other = est.cost_s(mode), est.cost_s(
+            PreemptionMode.RECOMPUTE if mode is PreemptionMode.SWAP else PreemptionMode.SWAP)
+        if chosen is not None:
+            c.preempt_cost_s += chosen
+            if other is not None and est.swap_fits:
+                c.preempt_saved_s += other - chosen
         preempted.add(victim.seq_id)
         out.preempted.append((victim.seq_id, mode))
+        out.decisions.append(decision)
+        return decision

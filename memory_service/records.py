@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from memory_service.changes import CacheOpsBuilder, TableChanges
-from memory_service.policy import PreemptionMode
+from memory_service.policy import PreemptionDecision, PreemptionMode
 
 
 @dataclass(slots=True)
@@ -80,6 +80,7 @@ class StepOutput:
     step_id: int
     executor_plans: list[ExecutorStepPlan] = field(default_factory=list)
     preempted: list[tuple[int, PreemptionMode]] = field(default_factory=list)
+    decisions: list[PreemptionDecision] = field(default_factory=list)  # beside preempted: why, at what cost
     unscheduled: list[int] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
 

@@ -16,6 +16,7 @@ from kvpager.prefix_index.hashing import DIGEST_BYTES, unpack_hashes
 from kvpager.v1 import common_pb2, memory_pb2, memory_pb2_grpc
 from memory_service.accounting import PoolAccounting
 from memory_service.changes import CacheOpsBuilder, TableChanges
+from memory_service.costs import ExecutorCosts
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.policy import PreemptionMode
 from memory_service.records import NewSeq, RejectionReason, StepInput, StepOutput
@@ -33,6 +34,12 @@ def spec_from_proto(info: memory_pb2.ExecutorPoolInfo) -> ExecutorSpec:
         num_swap_blocks=info.num_swap_blocks, address=info.address, model_id=info.model_id,
         dtype=info.dtype, incarnation=info.incarnation, pool_generation=info.pool_generation,
         max_model_len=info.max_model_len, vocab_size=info.vocab_size, adapter=info.adapter)
+
+
+def costs_from_proto(msg: memory_pb2.ExecutorCosts) -> ExecutorCosts:
+    """InvalidArgument for a malformed report (lengths, order, negative or non-finite figures)."""
+    return ExecutorCosts(tuple(msg.prefill_batch_tokens), tuple(msg.prefill_tokens_per_s), msg.swap_bytes_per_s,
+                         msg.block_bytes)
 
 
 def spec_to_proto(spec: ExecutorSpec) -> memory_pb2.ExecutorPoolInfo:
@@ -112,8 +119,11 @@ def plan_to_proto(out: StepOutput) -> memory_pb2.StepPlan:
                 ep.started_cached_tokens = array_bytes(p.tables.started_cached_tokens)
         if p.ops:
             ep.cache_ops.CopyFrom(_ops_to_proto(p.ops))
-    for seq_id, mode in out.preempted:
-        plan.preempted.add(seq_id=seq_id, mode=_MODES[mode])
+    for (seq_id, mode), d in zip(out.preempted, out.decisions):
+        e = d.estimate
+        plan.preempted.add(seq_id=seq_id, mode=_MODES[mode], reason=d.reason, recompute_tokens=e.recompute_tokens,
+                           recompute_cost_s=-1.0 if e.recompute_s is None else e.recompute_s,
+                           swap_bytes=e.swap_bytes, swap_cost_s=-1.0 if e.swap_s is None else e.swap_s)
     if out.unscheduled:
         plan.unscheduled_seq_ids = array_bytes(array("q", out.unscheduled))
     for r in out.rejected:
@@ -143,7 +153,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         info = request.info
         if info.block_size > MAX_BLOCK_SIZE:
             raise InvalidArgument(f"block_size must be <= {MAX_BLOCK_SIZE}")
-        replaced = self.state.register_executor(spec_from_proto(info))
+        costs = costs_from_proto(info.costs) if info.HasField("costs") else None
+        replaced = self.state.register_executor(spec_from_proto(info), costs)
         return memory_pb2.RegisterExecutorResponse(replaced_previous=replaced, lease_s=self.state.lease_s)
 
     async def DeregisterExecutor(self, request, context):
@@ -151,7 +162,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         return memory_pb2.DeregisterExecutorResponse(sequences_dropped=dropped)
 
     async def Heartbeat(self, request, context):
-        self.state.heartbeat(request.executor_id, request.incarnation)
+        costs = costs_from_proto(request.costs) if request.HasField("costs") else None
+        self.state.heartbeat(request.executor_id, request.incarnation, costs)
         return memory_pb2.HeartbeatResponse(lease_s=self.state.lease_s)
 
     async def ListExecutors(self, request, context):

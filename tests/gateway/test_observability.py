@@ -70,7 +70,8 @@ PROMPT_TEXT = "Observability secret prompt text"
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stack(model):
     configure_logging("test", "INFO")
-    s = await start_stack(model, num_blocks=48, block_size=4, swap_blocks=64, swap_min_tokens=8, http={},
+    s = await start_stack(model, num_blocks=48, block_size=4, swap_blocks=64, swap_min_tokens=8,
+                          preemption_mode="threshold", http={},
                           metrics=True, gateway_kw={"stats_interval_s": 0.2})
     yield s
     await s.stop()

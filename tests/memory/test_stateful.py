@@ -38,7 +38,7 @@ from kvpager.errors import KvpagerError
 from memory_service.events import AllCleared, BlockRemoved, BlockStored, EventQueue
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
-from memory_service.policy import ModePolicy, PreemptionMode
+from memory_service.policy import ThresholdModePolicy, PreemptionMode
 from memory_service.records import NewSeq, StepInput
 from kvpager.seq_status import SeqStatus
 from plan_mirror import TableMirror, domain_view
@@ -101,7 +101,7 @@ class MemoryMachine(RuleBasedStateMachine):
                 swap_min_tokens=st.sampled_from([1, 3, 8, 10**6]))
     def setup(self, block_sizes, num_blocks, num_swap, max_model_len, swap_min_tokens):
         self.events = EventQueue(enabled=True)
-        self.m = MemoryManager(mode_policy=ModePolicy(swap_min_tokens=swap_min_tokens), events=self.events)
+        self.m = MemoryManager(mode_policy=ThresholdModePolicy(swap_min_tokens=swap_min_tokens), events=self.events)
         self.specs: dict[str, ExecutorSpec] = {}
         self.slots: dict[str, Slots] = {}
         self.mirrors: dict[str, TableMirror] = {}      # the executors' tables, replayed from the plans
