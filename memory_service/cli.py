@@ -24,6 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pre.add_argument("--victim-policy", choices=sorted(VICTIM_POLICIES), default="newest",
                      help="who is preempted among the least important: newest arrival (default) or the one whose "
                           "preemption wastes least per block freed")
+    p.add_argument("--tenant-max-blocks", type=float, default=0.0,
+                   help="per-tenant quota of each executor's pool: below 1 a fraction, from 1 a block count "
+                        "(default 0: none). A tenant at its quota preempts only its own sequences; no tenant is "
+                        "preempted for another; a request that can never fit it is RESOURCE_EXHAUSTED")
     p.add_argument("--grace-s", type=float, default=5.0, help="graceful stop period")
     p.add_argument("--redis-url", default=os.environ.get("KVPAGER_REDIS_URL") or None,
                    help="mirror the prefix index to this Redis, redis://[user:pass@]host:port/db "
@@ -61,6 +65,8 @@ def config_from_args(args: argparse.Namespace):
     from memory_service.service import MemoryConfig
 
     security = security_from_args(args)
+    if args.tenant_max_blocks < 0:
+        raise ValueError(f"--tenant-max-blocks must be >= 0, got {args.tenant_max_blocks:g}")
     defaults = MemoryLimits()
     limits = MemoryLimits(**{name: getattr(args, name, getattr(defaults, name)) for name in (
         "max_pool_blocks", "max_total_blocks", "max_executors", "max_executor_id_chars", "max_name_chars",
@@ -69,7 +75,8 @@ def config_from_args(args: argparse.Namespace):
                         metrics_host=args.metrics_host, http_port=args.http_port,
                         http_host=args.http_host or args.host, lease_s=args.lease_s,
                         preemption_mode=args.preemption_mode, swap_min_tokens=args.swap_min_tokens,
-                        victim_policy=args.victim_policy, grace_s=args.grace_s,
+                        victim_policy=args.victim_policy, tenant_max_blocks=args.tenant_max_blocks,
+                        grace_s=args.grace_s,
                         redis_url=getattr(args, "redis_url", None), tls=security.server_tls(),
                         client_tls=security.client_tls(), admin_token=security.admin_token,
                         open_read_only=security.open_read_only, limits=limits)

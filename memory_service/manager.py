@@ -23,7 +23,8 @@ from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 from memory_service.limits import MemoryLimits, check_name
 from memory_service.planner import Planner
 from memory_service.costs import ExecutorCosts
-from memory_service.policy import CostModePolicy, EvictionPolicy, ModePolicy, VictimEligibility, VictimPolicy
+from memory_service.policy import (CostModePolicy, EvictionPolicy, ModePolicy, TenantQuota, VictimEligibility,
+                                   VictimPolicy)
 from memory_service.records import NewSeq, PrefixScore, Rejected, RejectionReason, StepInput, StepOutput
 from memory_service.sequence import PLACEHOLDER, Sequence
 from memory_service.validation import DecodeStep, StepValidator
@@ -32,7 +33,8 @@ from memory_service.validation import DecodeStep, StepValidator
 class MemoryManager:
     def __init__(self, victim_policy: VictimPolicy | None = None, mode_policy: ModePolicy | None = None,
                  events: EventQueue | None = None, *, eligibility: VictimEligibility | None = None,
-                 eviction: EvictionPolicy | None = None, limits: MemoryLimits | None = None) -> None:
+                 eviction: EvictionPolicy | None = None, limits: MemoryLimits | None = None,
+                 quota: TenantQuota | None = None) -> None:
         self.limits = limits or MemoryLimits()
         self.victim_policy = victim_policy or VictimPolicy()
         self.mode_policy = mode_policy or CostModePolicy()
@@ -44,7 +46,8 @@ class MemoryManager:
         self.costs: dict[str, ExecutorCosts] = {}  # executor id -> what it last measured (mode policy input)
         self.validator = StepValidator(self.seqs, self.executors, max_fork_children=self.limits.max_fork_children)
         self.planner = Planner(self.seqs, self.executors, eligibility=eligibility or VictimEligibility(),
-                               victims=self.victim_policy, modes=self.mode_policy, costs=self.costs)
+                               victims=self.victim_policy, modes=self.mode_policy, costs=self.costs,
+                               quota=quota)
         self._arrivals = itertools.count()
         self.last_step_id = 0
         self._last_output: StepOutput | None = None
@@ -206,10 +209,18 @@ class MemoryManager:
             return Rejected(new.seq_id, RejectionReason.OVER_POOL,
                             f"sequence needs {max(n, new.max_total_tokens)} tokens; the executor's KV pool "
                             f"holds {kv.spec.num_blocks * kv.spec.block_size} in all")
+        quota = self.planner.quota
+        if quota is not None:
+            cap = quota.cap(kv.spec.num_blocks)
+            if -(-max(n, new.max_total_tokens) // kv.block_size) > cap:
+                return Rejected(new.seq_id, RejectionReason.OVER_QUOTA,
+                                f"sequence needs {max(n, new.max_total_tokens)} tokens; its tenant may hold "
+                                f"{cap * kv.block_size} on this executor (tenant quota)")
         seq = Sequence(new.seq_id, new.executor_id, list(new.prompt_token_ids),
                        root_hash(self._namespaces[new.executor_id], new.cache_salt),
                        priority=new.priority, arrival=next(self._arrivals),
-                       max_total_tokens=new.max_total_tokens, num_prompt_tokens=n, request_id=new.request_id)
+                       max_total_tokens=new.max_total_tokens, num_prompt_tokens=n, request_id=new.request_id,
+                       tenant=new.tenant)
         seq.token_limit = self._token_limit(seq)
         if new.prompt_block_hashes:
             seq.block_hashes = list(new.prompt_block_hashes)  # computed once, by the router
@@ -228,7 +239,7 @@ class MemoryManager:
                              max_total_tokens=parent.max_total_tokens, admitted=parent.admitted,
                              num_cached_tokens=parent.num_cached_tokens,
                              num_prompt_tokens=parent.num_prompt_tokens, token_limit=parent.token_limit,
-                             request_id=parent.request_id)
+                             request_id=parent.request_id, tenant=parent.tenant)
             shared += kv.fork(parent, child)
             self.seqs[child_id] = child
             kv.seq_ids.add(child_id)

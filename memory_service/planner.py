@@ -25,8 +25,8 @@ from kvpager.seq_status import SeqStatus
 from memory_service.block import Block
 from memory_service.costs import ExecutorCosts
 from memory_service.kv_manager import ExecutorKV
-from memory_service.policy import (ModePolicy, PreemptionDecision, PreemptionMode, VictimEligibility, VictimPolicy,
-                                   estimate_preemption)
+from memory_service.policy import (ModePolicy, PreemptionDecision, PreemptionMode, TenantQuota, VictimEligibility,
+                                   VictimPolicy, estimate_preemption)
 from memory_service.records import ExecutorStepPlan, StepInput, StepOutput
 from memory_service.sequence import Sequence
 from memory_service.validation import DecodeStep
@@ -43,6 +43,21 @@ def _add_row(rows: Rows, executor_id: str, seq_id: int, k: int) -> None:
     r[1].append(k)
 
 
+def tenant_blocks(kv: ExecutorKV, seqs: dict[int, Sequence], tenant: str) -> set[int]:
+    """Device blocks the tenant's sequences hold on this executor (each once)."""
+    return {b for i in kv.seq_ids if (s := seqs[i]).tenant == tenant for b in s.block_ids}
+
+
+def blocks_to_add(kv: ExecutorKV, seq: Sequence, k: int, held: set[int]) -> int:
+    """Blocks seq's tenant would newly hold once seq has room for k more tokens."""
+    bs = kv.block_size
+    if seq.status is SeqStatus.RUNNING:
+        k = min(k, seq.num_tokens - seq.num_computed)
+        return max(0, -(-(seq.num_computed + k) // bs) - len(seq.blocks))
+    need, hits = kv.room_needed(seq, min(k, seq.num_tokens - seq.num_computed))
+    return need + sum(1 for b in hits if b.block_id not in held)
+
+
 def _rows_of(seqs: list[Sequence]) -> Rows:
     """Rows of one token each, for sequences already given room, grouped by executor."""
     rows: Rows = {}
@@ -54,8 +69,9 @@ def _rows_of(seqs: list[Sequence]) -> Rows:
 class Planner:
     def __init__(self, seqs: dict[int, Sequence], executors: dict[str, ExecutorKV], *,
                  eligibility: VictimEligibility, victims: VictimPolicy, modes: ModePolicy,
-                 costs: dict[str, ExecutorCosts] | None = None) -> None:
+                 costs: dict[str, ExecutorCosts] | None = None, quota: TenantQuota | None = None) -> None:
         self.seqs = seqs
+        self.quota = quota  # per-tenant block quota (None: off)
         self.executors = executors
         self.costs = costs if costs is not None else {}  # executor id -> its last measured costs
         self.eligibility = eligibility
@@ -71,7 +87,7 @@ class Planner:
         """Allocate step.schedule in order; fill out.preempted and out.unscheduled.
         Returns each executor's rows. ``decode``: the step passed
         ``StepValidator.check_decode``."""
-        if decode is not None:
+        if decode is not None and self.quota is None:  # the fast path has no quota check
             return self._schedule_decode(step, out, decode)
         return self._schedule(step.schedule_seq_ids, step.schedule_num_tokens, out, rejected, {}, set())
 
@@ -80,7 +96,7 @@ class Planner:
         seqs = self.seqs
         # handled: scheduled (or given up) in this step: never a victim after
         preempted: set[int] = set()
-        admission_closed: set[str] = set()
+        admission_closed: set = set()  # executor ids (with quotas: (executor id, tenant))
         running, swapped = SeqStatus.RUNNING, SeqStatus.SWAPPED
         kv = None
         for seq_id, k in zip(seq_ids, num_tokens):
@@ -94,6 +110,9 @@ class Planner:
             if kv is None or kv.spec.executor_id != seq.executor_id:
                 kv = self.executors[seq.executor_id]
             status = seq.status
+            if self.quota is not None and not self._fit_quota(kv, seq, k, handled, out, preempted):
+                out.unscheduled.append(seq_id)  # its tenant is at its quota: it waits (others go on)
+                continue
             if status is running:
                 k = min(k, len(seq.token_ids) - seq.num_computed)  # >= 1, validated
                 if kv.allocate_slots(seq, k) or self.make_room(
@@ -111,7 +130,9 @@ class Planner:
                 else:
                     out.unscheduled.append(seq_id)
             else:  # WAITING: new, or preempted by recompute
-                if kv.spec.executor_id in admission_closed:
+                # With quotas, one tenant's request that does not fit closes admission for that tenant only.
+                gate = (kv.spec.executor_id, seq.tenant) if self.quota is not None else kv.spec.executor_id
+                if gate in admission_closed:
                     out.unscheduled.append(seq_id)  # FCFS: no overtaking a request that did not fit
                     continue
                 first = not seq.admitted
@@ -133,7 +154,7 @@ class Planner:
                     kv.commit(seq, granted[0])
                 else:
                     out.unscheduled.append(seq_id)
-                    admission_closed.add(kv.spec.executor_id)
+                    admission_closed.add(gate)
         return rows
 
     def _schedule_decode(self, step: StepInput, out: StepOutput, decode: DecodeStep) -> Rows:
@@ -208,9 +229,10 @@ class Planner:
         reused = set(hits)
         eligible = self.eligibility.eligible
         while True:
+            own_only = self.quota is not None  # with quotas no tenant is preempted for another
             candidates = [s for s in (self.seqs[i] for i in kv.seq_ids)
                           if s.status is SeqStatus.RUNNING and (s.seq_id not in handled or s is seq)
-                          and eligible(s, seq)]
+                          and eligible(s, seq) and (not own_only or s.tenant == seq.tenant)]
             if not candidates:
                 return False
             if room_needed is not None:
@@ -232,6 +254,29 @@ class Planner:
                 return False
             if attempt():
                 return True
+
+    def _fit_quota(self, kv: ExecutorKV, seq: Sequence, k: int, handled: set[int], out: StepOutput,
+                   preempted: set[int]) -> bool:
+        """Whether seq may take the blocks its next k tokens need without its
+        tenant going over its quota, preempting the tenant's own sequences
+        (by the same eligibility and victim policies) until it may."""
+        cap = self.quota.cap(kv.pool.num_blocks)
+        eligible = self.eligibility.eligible
+        while True:
+            held = tenant_blocks(kv, self.seqs, seq.tenant)
+            if len(held) + blocks_to_add(kv, seq, k, held) <= cap:
+                return True
+            candidates = [s for s in (self.seqs[i] for i in kv.seq_ids)
+                          if s.tenant == seq.tenant and s.status is SeqStatus.RUNNING
+                          and (s.seq_id not in handled or s is seq) and eligible(s, seq)]
+            if not candidates:
+                return False
+            costs = self.costs.get(kv.spec.executor_id)
+            victim = self.victims.select(candidates, lambda s: estimate_preemption(
+                s, kv.block_size, kv.swap.num_free, costs))
+            self.preempt(victim, kv, out, preempted)
+            if victim is seq:
+                return False
 
     def preempt(self, victim: Sequence, kv: ExecutorKV, out: StepOutput, preempted: set[int],
                 taken_blocks: int = 1) -> PreemptionDecision:

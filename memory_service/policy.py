@@ -241,6 +241,30 @@ class LeastLostWorkVictimPolicy(VictimPolicy):
 VICTIM_POLICIES = {cls.name: cls for cls in (VictimPolicy, LeastLostWorkVictimPolicy)}
 
 
+# ---- tenants ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    """The most blocks of one pool a tenant's sequences may hold at once:
+    ``max_blocks`` below 1 is a fraction of the pool, from 1 up a count.
+    With a quota, a tenant at its quota preempts only its own sequences to
+    grow, and no tenant's sequences are preempted for another's (so a
+    tenant flooding the pool cannot push another below its quota)."""
+
+    max_blocks: float
+
+    def __post_init__(self) -> None:
+        if not self.max_blocks > 0:
+            raise ValueError(f"tenant quota must be > 0 (a fraction below 1, else a block count), got "
+                             f"{self.max_blocks}")
+
+    def cap(self, pool_blocks: int) -> int:
+        if self.max_blocks < 1:
+            return max(1, int(self.max_blocks * pool_blocks))
+        return min(pool_blocks, int(self.max_blocks))
+
+
 # ---- eviction order -----------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ class NewSeq:
     # the prompt's leading full-block hashes as the router computed them (None: hash here)
     prompt_block_hashes: list[bytes] | None = None
     request_id: str = ""            # the client's, for operators (logs, the block map)
+    tenant: str = ""                # whose blocks these are (per-tenant quotas)
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class RejectionReason(enum.Enum):
 
     OVER_CONTEXT_LIMIT = "over_context_limit"   # longer than the executor's context limit
     OVER_POOL = "over_pool"                     # needs more blocks than the whole pool holds
+    OVER_QUOTA = "over_quota"                   # needs more blocks than its tenant may hold
 
 
 @dataclass(slots=True)

@@ -25,7 +25,11 @@ from memory_service.service_state import MemoryState
 _MODES = {PreemptionMode.RECOMPUTE: common_pb2.PREEMPTION_MODE_RECOMPUTE,
           PreemptionMode.SWAP: common_pb2.PREEMPTION_MODE_SWAP}
 _REASONS = {RejectionReason.OVER_CONTEXT_LIMIT: common_pb2.REJECTION_REASON_OVER_CONTEXT_LIMIT,
-            RejectionReason.OVER_POOL: common_pb2.REJECTION_REASON_OVER_POOL}
+            RejectionReason.OVER_POOL: common_pb2.REJECTION_REASON_OVER_POOL,
+            RejectionReason.OVER_QUOTA: common_pb2.REJECTION_REASON_OVER_QUOTA}
+
+
+MAX_TENANT_CHARS = 256
 
 
 def spec_from_proto(info: memory_pb2.ExecutorPoolInfo) -> ExecutorSpec:
@@ -42,8 +46,15 @@ def costs_from_proto(msg: memory_pb2.ExecutorCosts) -> ExecutorCosts:
                          msg.block_bytes)
 
 
-def spec_to_proto(spec: ExecutorSpec) -> memory_pb2.ExecutorPoolInfo:
+def costs_to_proto(c: ExecutorCosts) -> memory_pb2.ExecutorCosts:
+    return memory_pb2.ExecutorCosts(prefill_batch_tokens=c.prefill_batch_tokens,
+                                    prefill_tokens_per_s=c.prefill_tokens_per_s,
+                                    swap_bytes_per_s=c.swap_bytes_per_s, block_bytes=c.block_bytes)
+
+
+def spec_to_proto(spec: ExecutorSpec, costs: ExecutorCosts | None = None) -> memory_pb2.ExecutorPoolInfo:
     return memory_pb2.ExecutorPoolInfo(
+        costs=costs_to_proto(costs) if costs is not None else None,
         executor_id=spec.executor_id, address=spec.address, num_blocks=spec.num_blocks,
         block_size=spec.block_size, num_swap_blocks=spec.num_swap_blocks, model_id=spec.model_id,
         dtype=spec.dtype, incarnation=spec.incarnation, pool_generation=spec.pool_generation,
@@ -64,10 +75,12 @@ def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
     app_tokens = unpack_i32(app.token_ids, "appended.token_ids")
     if not app_ids and (app_tokens or len(app_offsets) > 1):
         raise InvalidArgument("appended: tokens without seq_ids")
+    if any(len(n.tenant) > MAX_TENANT_CHARS for n in req.new_sequences):
+        raise InvalidArgument(f"new_sequences.tenant must be at most {MAX_TENANT_CHARS} characters")
     new = [NewSeq(n.seq_id, n.executor_id, unpack_i32(n.prompt_token_ids, "new_sequences.prompt_token_ids"),
                   n.priority, n.cache_salt, n.max_total_tokens,
                   _hashes(n.prompt_block_hashes, "new_sequences.prompt_block_hashes") if n.prompt_block_hashes
-                  else None, n.request_id[:256])
+                  else None, n.request_id[:256], n.tenant)
            for n in req.new_sequences]
     return StepInput(
         step_id=req.step_id,
@@ -167,8 +180,9 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         return memory_pb2.HeartbeatResponse(lease_s=self.state.lease_s)
 
     async def ListExecutors(self, request, context):
+        m = self.state.manager
         return memory_pb2.ListExecutorsResponse(
-            executors=[spec_to_proto(kv.spec) for kv in self.state.manager.executors.values()])
+            executors=[spec_to_proto(kv.spec, m.costs.get(eid)) for eid, kv in m.executors.items()])
 
     async def Step(self, request, context):
         return plan_to_proto(self.state.step(step_from_proto(request)))

@@ -104,7 +104,7 @@ class ListExecutorsResponse(_message.Message):
     def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorPoolInfo, _Mapping]]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens", "prompt_block_hashes", "request_id")
+    __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens", "prompt_block_hashes", "request_id", "tenant")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class NewSequence(_message.Message):
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     executor_id: str
     prompt_token_ids: bytes
@@ -121,7 +122,8 @@ class NewSequence(_message.Message):
     max_total_tokens: int
     prompt_block_hashes: bytes
     request_id: str
-    def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "appended", "forks", "free_seq_ids", "abort_seq_ids", "new_sequences", "schedule_seq_ids", "schedule_num_tokens", "pending_seq_ids")
