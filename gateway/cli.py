@@ -31,6 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=8, help="largest n / beam_width accepted")
     p.add_argument("--load-weight-tokens", type=float, default=16.0,
                    help="routing: one queued sequence costs this many prefix tokens")
+    tenants = p.add_argument_group("tenants (docs/security.md, Tenants)")
+    tenants.add_argument("--tenants", default=None, metavar="FILE",
+                         help='a JSON object {"tenant": "token", ...}: each token is a bearer credential and its '
+                              "holder's requests are that tenant's (cache_salt may only narrow its namespace)")
+    tenants.add_argument("--prefix-sharing", choices=("isolated", "shared"), default="isolated",
+                         help="prefix cache between tenants: isolated (default; no tenant ever hits another's "
+                              "blocks) or shared")
     p.add_argument("--redis-url", default=None, help="score prefixes from the Redis mirror")
     p.add_argument("--routing", choices=("prefix", "round-robin"), default="prefix",
                    help="how requests pick an executor: longest cached prefix vs load (default), or in turn")
@@ -106,6 +113,11 @@ def config_from_args(args: argparse.Namespace):
     from kvpager.security import security_from_args
 
     security = security_from_args(args)
+    tenant_tokens = {}
+    if args.tenants:
+        from gateway.tenants import load_tenant_tokens
+
+        tenant_tokens = load_tenant_tokens(args.tenants)
     if args.stats_interval_s < 0:
         raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s:g}")
     if args.chat_template is not None and not Path(args.chat_template).is_file():
@@ -127,7 +139,8 @@ def config_from_args(args: argparse.Namespace):
                          routing=args.routing,
                          max_message_bytes=args.max_message_bytes, tls=security.server_tls(),
                          client_tls=security.client_tls(), auth_token=security.auth_token,
-                         admin_token=security.admin_token,
+                         admin_token=security.admin_token, tenant_tokens=tenant_tokens,
+                         prefix_sharing=args.prefix_sharing,
                          engine=EngineConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                                              max_waiting=args.max_waiting, max_n=args.max_n, policy=args.policy,
                                              load_weight_tokens=args.load_weight_tokens,

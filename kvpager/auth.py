@@ -30,10 +30,11 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             that need no token.
     """
 
-    def __init__(self, token: str, open_methods: frozenset[str] = frozenset()) -> None:
-        if not token:
+    def __init__(self, token: str, open_methods: frozenset[str] = frozenset(), also: tuple[str, ...] = ()) -> None:
+        tokens = [t for t in (token, *also) if t]
+        if not tokens:
             raise ValueError("TokenAuth needs a non-empty token")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = tuple(f"Bearer {t}".encode() for t in tokens)  # ``also``: more accepted (tenants')
         self.open_methods = frozenset(open_methods)
 
     def is_open(self, method: str) -> bool:
@@ -43,8 +44,11 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         for key, value in metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else bytes(value)
-                # Constant time, so the comparison leaks nothing about the secret.
-                return hmac.compare_digest(given, self._expected)
+                # Constant time, and against every token, so the comparison leaks nothing about a secret.
+                ok = False
+                for expected in self._expected:
+                    ok |= hmac.compare_digest(given, expected)
+                return ok
         return False
 
     async def intercept_service(self, continuation, handler_call_details):
