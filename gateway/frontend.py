@@ -21,6 +21,8 @@ from gateway.params import RawParams, RequestCaps, validate, validate_token_ids
 from gateway.state import Output, Request
 from gateway.tenants import Tenants
 
+MAX_RETENTION_S = 7 * 24 * 3600.0  # the memory service's limit too
+
 
 @dataclass(slots=True)
 class Submission:
@@ -35,6 +37,7 @@ class Submission:
     deadline: float | None = None      # event-loop time; None = none
     skip_special_tokens: bool = False
     authorization: str = ""            # the caller's bearer credential: its tenant (gateway.tenants)
+    retention_s: float = 0.0           # pin the prompt's blocks this long after the request ends
 
 
 def utf8_size(text: str) -> int:
@@ -113,6 +116,8 @@ class Frontend:
         engine = self.engine
         self.check_ids(sub.request_id, sub.cache_salt)
         spec = validate(sub.params, len(sub.prompt_ids), engine.limits)
+        if not 0.0 <= sub.retention_s <= MAX_RETENTION_S:  # NaN fails too
+            raise InvalidArgument(f"retention_s must be in [0, {MAX_RETENTION_S:g}] seconds", param="retention_s")
         request_id = sub.request_id or uuid.uuid4().hex
         tenant, salt = self.tenants.identify(sub.authorization, sub.cache_salt)
         chain = PromptChain(sub.prompt_ids, salt)  # block hashes: once, for routing and admission
@@ -121,7 +126,7 @@ class Frontend:
                                  cache_salt=salt, deadline=sub.deadline,
                                  skip_special_tokens=sub.skip_special_tokens, chain=chain, arrival_s=arrival_s,
                                  owner=self.tenants.owner(sub.authorization) or sub.owner)
-        req.tenant = tenant
+        req.tenant, req.retention_s = tenant, sub.retention_s
         await engine.submit(req, executor_id)
         return req
 

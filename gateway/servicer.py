@@ -71,6 +71,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                request_id=request_id,
                                                owner=principal(context, self.token_required),
                                                authorization=_authorization(context),
+                                               retention_s=request.retention_s,
                                                priority=request.priority,
                                                cache_salt=request.cache_salt, deadline=deadline,
                                                skip_special_tokens=request.skip_special_tokens))

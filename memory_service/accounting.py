@@ -15,6 +15,8 @@ Figures that read alike are kept apart so none can be misread for another:
   sequence finding its own blocks again, not sharing);
 * ``preempt_*``: the mode policy's estimates summed over its decisions,
   beside the executor's measured rates they came from;
+* ``pinned_blocks``: blocks retained for requests that asked (``retention_s``),
+  pins not yet expired;
 * two contiguous counterfactuals for the sequences holding KV:
   ``contiguous_equivalent_blocks`` reserves the full context per sequence
   (the seeds' worst case), ``contiguous_declared_blocks`` what each request
@@ -72,6 +74,7 @@ class PoolAccounting:
     preempt_saved_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     swap_bytes_per_s: float = 0.0
+    pinned_blocks: int = 0
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -85,8 +88,8 @@ def _ratio(a: int, b: int) -> float:
     return a / b if b else 0.0
 
 
-def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence], costs: ExecutorCosts | None = None
-                        ) -> PoolAccounting:
+def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence], costs: ExecutorCosts | None = None,
+                        pinned_blocks: int = 0) -> PoolAccounting:
     """One executor's figures; ``costs``: what it last measured (shown beside the estimates made from it)."""
     bs = kv.block_size
     pool = kv.pool
@@ -153,6 +156,7 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence], costs: Execut
         preempt_saved_s=c.preempt_saved_s,
         prefill_tokens_per_s=costs.prefill_tokens_per_s[-1] if costs and costs.prefill_tokens_per_s else 0.0,
         swap_bytes_per_s=costs.swap_bytes_per_s if costs else 0.0,
+        pinned_blocks=pinned_blocks,
     )
 
 
@@ -163,7 +167,7 @@ _SUMMED = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_
            "contiguous_declared_blocks",
            "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks",
            "copy_on_write_copies", "evictions", "swapped_out_blocks", "swapped_in_blocks",
-           "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s")
+           "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s", "pinned_blocks")
 
 
 def total_accounting(parts: list[PoolAccounting]) -> PoolAccounting:

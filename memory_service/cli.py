@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-tenant quota of each executor's pool: below 1 a fraction, from 1 a block count "
                         "(default 0: none). A tenant at its quota preempts only its own sequences; no tenant is "
                         "preempted for another; a request that can never fit it is RESOURCE_EXHAUSTED")
+    p.add_argument("--tenant-max-pinned-blocks", type=float, default=0.25,
+                   help="per-tenant budget of blocks retained for requests that ask (retention_s), per pool: "
+                        "below 1 a fraction, from 1 a count (default 0.25; 0: no retention)")
     p.add_argument("--grace-s", type=float, default=5.0, help="graceful stop period")
     p.add_argument("--redis-url", default=os.environ.get("KVPAGER_REDIS_URL") or None,
                    help="mirror the prefix index to this Redis, redis://[user:pass@]host:port/db "
@@ -65,8 +68,9 @@ def config_from_args(args: argparse.Namespace):
     from memory_service.service import MemoryConfig
 
     security = security_from_args(args)
-    if args.tenant_max_blocks < 0:
-        raise ValueError(f"--tenant-max-blocks must be >= 0, got {args.tenant_max_blocks:g}")
+    for flag in ("tenant_max_blocks", "tenant_max_pinned_blocks"):
+        if not getattr(args, flag) >= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag):g}")
     defaults = MemoryLimits()
     limits = MemoryLimits(**{name: getattr(args, name, getattr(defaults, name)) for name in (
         "max_pool_blocks", "max_total_blocks", "max_executors", "max_executor_id_chars", "max_name_chars",
@@ -76,6 +80,7 @@ def config_from_args(args: argparse.Namespace):
                         http_host=args.http_host or args.host, lease_s=args.lease_s,
                         preemption_mode=args.preemption_mode, swap_min_tokens=args.swap_min_tokens,
                         victim_policy=args.victim_policy, tenant_max_blocks=args.tenant_max_blocks,
+                        tenant_max_pinned_blocks=args.tenant_max_pinned_blocks,
                         grace_s=args.grace_s,
                         redis_url=getattr(args, "redis_url", None), tls=security.server_tls(),
                         client_tls=security.client_tls(), admin_token=security.admin_token,

@@ -23,8 +23,9 @@ from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 from memory_service.limits import MemoryLimits, check_name
 from memory_service.planner import Planner
 from memory_service.costs import ExecutorCosts
-from memory_service.policy import (CostModePolicy, EvictionPolicy, ModePolicy, TenantQuota, VictimEligibility,
-                                   VictimPolicy)
+from memory_service.policy import (CostModePolicy, EvictionPolicy, ModePolicy, RetentionEvictionPolicy, TenantQuota,
+                                   VictimEligibility, VictimPolicy)
+from memory_service.retention import PinBudget
 from memory_service.records import NewSeq, PrefixScore, Rejected, RejectionReason, StepInput, StepOutput
 from memory_service.sequence import PLACEHOLDER, Sequence
 from memory_service.validation import DecodeStep, StepValidator
@@ -34,8 +35,12 @@ class MemoryManager:
     def __init__(self, victim_policy: VictimPolicy | None = None, mode_policy: ModePolicy | None = None,
                  events: EventQueue | None = None, *, eligibility: VictimEligibility | None = None,
                  eviction: EvictionPolicy | None = None, limits: MemoryLimits | None = None,
-                 quota: TenantQuota | None = None) -> None:
+                 quota: TenantQuota | None = None, retention: PinBudget | None = None) -> None:
         self.limits = limits or MemoryLimits()
+        # Prefix retention: pins budgeted per tenant, retained blocks evicted last (no budget: no pins).
+        self.retention = retention or PinBudget(None)
+        if eviction is None and self.retention.quota is not None:
+            eviction = RetentionEvictionPolicy(self.retention.clock)
         self.victim_policy = victim_policy or VictimPolicy()
         self.mode_policy = mode_policy or CostModePolicy()
         self.eviction = eviction or EvictionPolicy()
@@ -122,6 +127,7 @@ class MemoryManager:
             self.validator.remember_freed(seq_id)
         kv.seq_ids.clear()
         kv.pool.clear()
+        self.retention.forget(kv.spec.executor_id)
         return len(ids)
 
     def _executor(self, executor_id: str) -> ExecutorKV:
@@ -220,7 +226,7 @@ class MemoryManager:
                        root_hash(self._namespaces[new.executor_id], new.cache_salt),
                        priority=new.priority, arrival=next(self._arrivals),
                        max_total_tokens=new.max_total_tokens, num_prompt_tokens=n, request_id=new.request_id,
-                       tenant=new.tenant)
+                       tenant=new.tenant, retention_s=new.retention_s)
         seq.token_limit = self._token_limit(seq)
         if new.prompt_block_hashes:
             seq.block_hashes = list(new.prompt_block_hashes)  # computed once, by the router
@@ -239,7 +245,8 @@ class MemoryManager:
                              max_total_tokens=parent.max_total_tokens, admitted=parent.admitted,
                              num_cached_tokens=parent.num_cached_tokens,
                              num_prompt_tokens=parent.num_prompt_tokens, token_limit=parent.token_limit,
-                             request_id=parent.request_id, tenant=parent.tenant)
+                             request_id=parent.request_id, tenant=parent.tenant,
+                             retention_s=parent.retention_s)
             shared += kv.fork(parent, child)
             self.seqs[child_id] = child
             kv.seq_ids.add(child_id)
@@ -252,6 +259,8 @@ class MemoryManager:
         kv = self.executors[seq.executor_id]
         kv.seq_ids.discard(seq_id)
         self.validator.remember_freed(seq_id)
+        if seq.retention_s > 0 and seq.blocks:  # pinned before the free: the eviction policy reads the pin
+            self.retention.pin(seq, kv.pool.num_blocks, kv.block_size)
         return kv.release(seq)
 
     # ---- stand-alone operations ---------------------------------------------------
@@ -306,7 +315,8 @@ class MemoryManager:
     def accounting(self, executor_id: str = "") -> tuple[PoolAccounting, list[PoolAccounting]]:
         """(total, per executor); with executor_id, only that executor."""
         kvs = [self._executor(executor_id)] if executor_id else list(self.executors.values())
-        parts = [executor_accounting(kv, self.seqs, self.costs.get(kv.spec.executor_id)) for kv in kvs]
+        parts = [executor_accounting(kv, self.seqs, self.costs.get(kv.spec.executor_id),
+                                     self.retention.count(kv.spec.executor_id)) for kv in kvs]
         return total_accounting(parts), parts
 
     def check_invariants(self) -> list[str]:

@@ -51,6 +51,8 @@ GAUGES = (
     ("kvpager_kv_contiguous_declared_blocks",
      "Blocks a contiguous reservation of prompt + max_tokens (request-declared) would need for them.",
      "contiguous_declared_blocks"),
+    ("kvpager_kv_pinned_blocks", "Prompt blocks retained for requests that asked (retention_s), pins unexpired.",
+     "pinned_blocks"),
     ("kvpager_kv_running_sequences", "Sequences holding device blocks.", "num_sequences"),
     ("kvpager_kv_swapped_sequences", "Sequences swapped out to the CPU pool.", "num_swapped_sequences"),
     ("kvpager_kv_swap_total_blocks", "Blocks in the CPU swap pool.", "swap_total_blocks"),

@@ -13,12 +13,14 @@ the per-executor KV manager never choose; the planner asks these.
   old fixed length rule) and ``CostModePolicy`` (the default: the cheaper
   mode by measured cost). Each returns a ``PreemptionDecision`` saying why.
 * ``EvictionPolicy.tier`` — which cached-but-free blocks are evicted first
-  (the pool pops the lowest tier, least recently freed first within it).
+  (the pool pops the lowest tier, least recently freed first within it;
+  ``RetentionEvictionPolicy``: retained prefixes after all others).
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -278,3 +280,18 @@ class EvictionPolicy:
 
     def tier(self, block: Block) -> int:
         return 0
+
+
+class RetentionEvictionPolicy(EvictionPolicy):
+    """Retained prefixes last: a block whose pin (``Block.retain_until``) has
+    not expired when it is freed joins tier 1, evicted only once no unpinned
+    free block is left; LRU within each tier. A soft pin: an allocation never
+    fails while free blocks remain."""
+
+    tiers = 2
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+
+    def tier(self, block: Block) -> int:
+        return 1 if block.retain_until > self.clock() else 0

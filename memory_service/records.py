@@ -26,6 +26,7 @@ class NewSeq:
     prompt_block_hashes: list[bytes] | None = None
     request_id: str = ""            # the client's, for operators (logs, the block map)
     tenant: str = ""                # whose blocks these are (per-tenant quotas)
+    retention_s: float = 0.0        # pin its prompt's blocks this long after it ends (memory_service.retention)
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from memory_service.events import EventQueue
 from memory_service.limits import MemoryLimits
 from memory_service.manager import MemoryManager
 from memory_service.policy import VICTIM_POLICIES, TenantQuota, make_mode_policy
+from memory_service.retention import PinBudget
 from memory_service.service_state import MemoryState
 from memory_service.servicer import MemoryServicer
 
@@ -37,6 +38,7 @@ class MemoryConfig:
     swap_min_tokens: int = 256             # the threshold policy's (and the cost policy's fallback) length
     victim_policy: str = "newest"          # memory_service.policy.VICTIM_POLICIES
     tenant_max_blocks: float = 0.0         # per-tenant quota per pool: < 1 a fraction, else blocks; 0 = none
+    tenant_max_pinned_blocks: float = 0.25  # per-tenant budget of retained blocks per pool (same units); 0 = no pins
     grace_s: float = 5.0
     # The Redis mirror (docs/mirror.md): None keeps the embedded default, no Redis.
     redis_url: str | None = None           # redis://[user:pass@]host:port/db
@@ -65,6 +67,8 @@ class MemoryServer:
         manager = MemoryManager(mode_policy=make_mode_policy(config.preemption_mode, config.swap_min_tokens),
                                 victim_policy=VICTIM_POLICIES[config.victim_policy](),
                                 quota=TenantQuota(config.tenant_max_blocks) if config.tenant_max_blocks else None,
+                retention=PinBudget(TenantQuota(config.tenant_max_pinned_blocks)
+                                    if config.tenant_max_pinned_blocks else None),
                                 events=EventQueue(enabled=bool(config.redis_url)), limits=config.limits)
         self.state = MemoryState(manager, lease_s=config.lease_s)
         self.mirror = None

@@ -19,6 +19,7 @@ from memory_service.changes import CacheOpsBuilder, TableChanges
 from memory_service.costs import ExecutorCosts
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.policy import PreemptionMode
+from memory_service.retention import MAX_RETENTION_S
 from memory_service.records import NewSeq, RejectionReason, StepInput, StepOutput
 from memory_service.service_state import MemoryState
 
@@ -75,12 +76,15 @@ def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
     app_tokens = unpack_i32(app.token_ids, "appended.token_ids")
     if not app_ids and (app_tokens or len(app_offsets) > 1):
         raise InvalidArgument("appended: tokens without seq_ids")
-    if any(len(n.tenant) > MAX_TENANT_CHARS for n in req.new_sequences):
-        raise InvalidArgument(f"new_sequences.tenant must be at most {MAX_TENANT_CHARS} characters")
+    for n in req.new_sequences:
+        if len(n.tenant) > MAX_TENANT_CHARS:
+            raise InvalidArgument(f"new_sequences.tenant must be at most {MAX_TENANT_CHARS} characters")
+        if not 0.0 <= n.retention_s <= MAX_RETENTION_S:  # NaN fails too
+            raise InvalidArgument(f"new_sequences.retention_s must be in [0, {MAX_RETENTION_S:g}] seconds")
     new = [NewSeq(n.seq_id, n.executor_id, unpack_i32(n.prompt_token_ids, "new_sequences.prompt_token_ids"),
                   n.priority, n.cache_salt, n.max_total_tokens,
                   _hashes(n.prompt_block_hashes, "new_sequences.prompt_block_hashes") if n.prompt_block_hashes
-                  else None, n.request_id[:256], n.tenant)
+                  else None, n.request_id[:256], n.tenant, n.retention_s)
            for n in req.new_sequences]
     return StepInput(
         step_id=req.step_id,

@@ -181,7 +181,7 @@ def make_app(ctx: HttpContext) -> FastAPI:
         # One prompt: the client's id itself (so Abort and the logs find it); several: id-0, id-1, ...
         ids_of = [request_id] if len(prompt_ids) == 1 else [f"{request_id}-{i}" for i in range(len(prompt_ids))]
         subs = [Submission(ids, common.params, request_id=ids_of[i], owner=owner, authorization=authorization,
-                           priority=common.priority,
+                           priority=common.priority, retention_s=common.retention_s,
                            cache_salt=common.cache_salt, skip_special_tokens=common.skip_special_tokens)
                 for i, ids in enumerate(prompt_ids)]
         reqs = await admit(subs)

@@ -104,7 +104,7 @@ class ListExecutorsResponse(_message.Message):
     def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorPoolInfo, _Mapping]]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens", "prompt_block_hashes", "request_id", "tenant")
+    __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens", "prompt_block_hashes", "request_id", "tenant", "retention_s")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class NewSequence(_message.Message):
     PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_S_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     executor_id: str
     prompt_token_ids: bytes
@@ -123,7 +124,8 @@ class NewSequence(_message.Message):
     prompt_block_hashes: bytes
     request_id: str
     tenant: str
-    def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    retention_s: float
+    def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., retention_s: _Optional[float] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "appended", "forks", "free_seq_ids", "abort_seq_ids", "new_sequences", "schedule_seq_ids", "schedule_num_tokens", "pending_seq_ids")
@@ -216,7 +218,7 @@ class FreeResponse(_message.Message):
     def __init__(self, blocks_released: _Optional[int] = ...) -> None: ...
 
 class PoolAccounting(_message.Message):
-    __slots__ = ("executor_id", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots", "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks", "copy_on_write_copies", "evictions", "block_size", "swapped_out_blocks", "swapped_in_blocks", "block_usage", "token_occupancy", "recompute_query_tokens", "recompute_hit_tokens", "recompute_hit_rate", "contiguous_declared_blocks", "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s", "prefill_tokens_per_s", "swap_bytes_per_s")
+    __slots__ = ("executor_id", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots", "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks", "copy_on_write_copies", "evictions", "block_size", "swapped_out_blocks", "swapped_in_blocks", "block_usage", "token_occupancy", "recompute_query_tokens", "recompute_hit_tokens", "recompute_hit_rate", "contiguous_declared_blocks", "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s", "prefill_tokens_per_s", "swap_bytes_per_s", "pinned_blocks")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +258,7 @@ class PoolAccounting(_message.Message):
     PREEMPT_SAVED_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     SWAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     total_blocks: int
     free_blocks: int
@@ -295,7 +298,8 @@ class PoolAccounting(_message.Message):
     preempt_saved_s: float
     prefill_tokens_per_s: float
     swap_bytes_per_s: float
-    def __init__(self, executor_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., live_tokens: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., logical_blocks: _Optional[int] = ..., physical_blocks: _Optional[int] = ..., sharing_saved_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., contiguous_equivalent_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., copy_on_write_copies: _Optional[int] = ..., evictions: _Optional[int] = ..., block_size: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ..., block_usage: _Optional[float] = ..., token_occupancy: _Optional[float] = ..., recompute_query_tokens: _Optional[int] = ..., recompute_hit_tokens: _Optional[int] = ..., recompute_hit_rate: _Optional[float] = ..., contiguous_declared_blocks: _Optional[int] = ..., preempt_recompute_tokens: _Optional[int] = ..., preempt_swap_bytes: _Optional[int] = ..., preempt_cost_s: _Optional[float] = ..., preempt_saved_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., swap_bytes_per_s: _Optional[float] = ...) -> None: ...
+    pinned_blocks: int
+    def __init__(self, executor_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., live_tokens: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., logical_blocks: _Optional[int] = ..., physical_blocks: _Optional[int] = ..., sharing_saved_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., contiguous_equivalent_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., copy_on_write_copies: _Optional[int] = ..., evictions: _Optional[int] = ..., block_size: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ..., block_usage: _Optional[float] = ..., token_occupancy: _Optional[float] = ..., recompute_query_tokens: _Optional[int] = ..., recompute_hit_tokens: _Optional[int] = ..., recompute_hit_rate: _Optional[float] = ..., contiguous_declared_blocks: _Optional[int] = ..., preempt_recompute_tokens: _Optional[int] = ..., preempt_swap_bytes: _Optional[int] = ..., preempt_cost_s: _Optional[float] = ..., preempt_saved_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., swap_bytes_per_s: _Optional[float] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
 
 class AccountingRequest(_message.Message):
     __slots__ = ("executor_id",)

@@ -44,7 +44,7 @@ MEMORY = {
     "kvpager_kv_cache_usage_perc": "gauge", "kvpager_kv_total_blocks": "gauge", "kvpager_kv_free_blocks": "gauge",
     "kvpager_kv_used_blocks": "gauge", "kvpager_kv_cached_evictable_blocks": "gauge",
     "kvpager_kv_live_tokens": "gauge", "kvpager_kv_allocated_slots": "gauge",
-    "kvpager_kv_token_occupancy_ratio": "gauge", "kvpager_kv_block_fill_ratio": "gauge",
+    "kvpager_kv_token_occupancy_ratio": "gauge", "kvpager_kv_block_fill_ratio": "gauge", "kvpager_kv_pinned_blocks": "gauge",
     "kvpager_kv_contiguous_declared_blocks": "gauge", "kvpager_prefix_cache_recompute_queries": "counter",
     "kvpager_prefix_cache_recompute_hits": "counter", "kvpager_kv_internal_waste_slots": "gauge",
     "kvpager_kv_logical_blocks": "gauge", "kvpager_kv_physical_blocks": "gauge",

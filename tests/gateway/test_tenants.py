@@ -77,3 +77,21 @@ async def test_a_flooding_tenant_waits_at_its_quota_while_another_is_served(stac
         await generate(bob, [9] * 40, max_tokens=40, ignore_eos=True)
     assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "quota" in e.value.details()
     await stack.wait_idle()
+
+
+async def test_retention_requested_by_a_request_pins_its_prompt(stack):
+    from kvpager.v1 import common_pb2, gateway_pb2
+    from kvpager_tools.generate import stream_generate
+
+    alice = stack.as_tenant["alice"]
+    prompt = [200 + i for i in range(17)]  # 4 full blocks
+    req = gateway_pb2.GenerateRequest(prompt_token_ids=prompt, retention_s=60.0, cache_salt="pin",
+                                      sampling_params=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True))
+    out = await stream_generate(alice, req, timeout_s=60)
+    assert out.status == "OK"
+    t = await stack.wait_idle()
+    assert t.pinned_blocks >= 4
+    bad = gateway_pb2.GenerateRequest(prompt_token_ids=prompt, retention_s=-1.0,
+                                      sampling_params=common_pb2.SamplingParams(max_tokens=2))
+    out = await stream_generate(alice, bad, timeout_s=60, raise_errors=False)
+    assert out.status == "INVALID_ARGUMENT" and "retention_s" in out.details
