@@ -53,7 +53,9 @@ def blocks_to_add(kv: ExecutorKV, seq: Sequence, k: int, held: set[int]) -> int:
     bs = kv.block_size
     if seq.status is SeqStatus.RUNNING:
         k = min(k, seq.num_tokens - seq.num_computed)
-        return max(0, -(-(seq.num_computed + k) // bs) - len(seq.blocks))
+        blocks = seq.blocks
+        copies = sum(1 for b in blocks[seq.num_computed // bs:] if b.ref_cnt > 1)  # copy-on-write of a shared tail
+        return max(0, -(-(seq.num_computed + k) // bs) - len(blocks)) + copies
     need, hits = kv.room_needed(seq, min(k, seq.num_tokens - seq.num_computed))
     return need + sum(1 for b in hits if b.block_id not in held)
 
@@ -110,8 +112,15 @@ class Planner:
             if kv is None or kv.spec.executor_id != seq.executor_id:
                 kv = self.executors[seq.executor_id]
             status = seq.status
+            # With quotas, one tenant's request that does not fit closes admission for that tenant only.
+            gate = (kv.spec.executor_id, seq.tenant) if self.quota is not None else kv.spec.executor_id
+            if status is not running and status is not swapped and gate in admission_closed:
+                out.unscheduled.append(seq_id)  # FCFS: no overtaking a request that did not fit
+                continue
             if self.quota is not None and not self._fit_quota(kv, seq, k, handled, out, preempted):
                 out.unscheduled.append(seq_id)  # its tenant is at its quota: it waits (others go on)
+                if status is not running and status is not swapped:
+                    admission_closed.add(gate)
                 continue
             if status is running:
                 k = min(k, len(seq.token_ids) - seq.num_computed)  # >= 1, validated
@@ -130,11 +139,6 @@ class Planner:
                 else:
                     out.unscheduled.append(seq_id)
             else:  # WAITING: new, or preempted by recompute
-                # With quotas, one tenant's request that does not fit closes admission for that tenant only.
-                gate = (kv.spec.executor_id, seq.tenant) if self.quota is not None else kv.spec.executor_id
-                if gate in admission_closed:
-                    out.unscheduled.append(seq_id)  # FCFS: no overtaking a request that did not fit
-                    continue
                 first = not seq.admitted
                 granted: list[int] = []
 
