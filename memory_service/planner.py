@@ -7,8 +7,11 @@ one is swapped in, a waiting one is admitted (prefix hits first). When that
 fails, ``make_room`` preempts: the eligibility policy says who may give
 blocks back, the victim policy who goes first, the mode policy how (swap or
 recompute, from both modes' estimated cost at the executor's measured
-rates; the decision and its estimate go into the step's output). Allocation for one sequence either succeeds or that sequence is
-not scheduled: failure never leaves partial state.
+rates; the decision and its estimate go into the step's output). With
+per-tenant quotas a tenant at its quota preempts only its own sequences
+and no tenant's are preempted for another's. Allocation for one sequence
+either succeeds or that sequence is not scheduled: failure never leaves
+partial state.
 
 An executor's plan lists its rows (sequence, tokens computed now), the
 changes to its block tables since its last plan and its cache ops; an
@@ -74,6 +77,7 @@ class Planner:
                  costs: dict[str, ExecutorCosts] | None = None, quota: TenantQuota | None = None) -> None:
         self.seqs = seqs
         self.quota = quota  # per-tenant block quota (None: off)
+        self._quota_bound: dict[tuple[str, str], int] = {}
         self.executors = executors
         self.costs = costs if costs is not None else {}  # executor id -> its last measured costs
         self.eligibility = eligibility
@@ -99,6 +103,7 @@ class Planner:
         # handled: scheduled (or given up) in this step: never a victim after
         preempted: set[int] = set()
         admission_closed: set = set()  # executor ids (with quotas: (executor id, tenant))
+        self._quota_bound: dict[tuple[str, str], int] = {}  # (executor, tenant) -> blocks held at most
         running, swapped = SeqStatus.RUNNING, SeqStatus.SWAPPED
         kv = None
         for seq_id, k in zip(seq_ids, num_tokens):
@@ -265,10 +270,20 @@ class Planner:
         tenant going over its quota, preempting the tenant's own sequences
         (by the same eligibility and victim policies) until it may."""
         cap = self.quota.cap(kv.pool.num_blocks)
+        # An upper bound of the tenant's blocks, kept through the step, spares the walk while it fits
+        # (it only grows by what each grant could add, and preemptions only lower the truth).
+        key = (kv.spec.executor_id, seq.tenant)
+        bound = self._quota_bound.get(key)
+        upper = blocks_to_add(kv, seq, k, set())
+        if bound is not None and bound + upper <= cap:
+            self._quota_bound[key] = bound + upper
+            return True
         eligible = self.eligibility.eligible
         while True:
             held = tenant_blocks(kv, self.seqs, seq.tenant)
-            if len(held) + blocks_to_add(kv, seq, k, held) <= cap:
+            add = blocks_to_add(kv, seq, k, held)
+            if len(held) + add <= cap:
+                self._quota_bound[key] = len(held) + add
                 return True
             candidates = [s for s in (self.seqs[i] for i in kv.seq_ids)
                           if s.tenant == seq.tenant and s.status is SeqStatus.RUNNING
