@@ -23,7 +23,7 @@ PROMPT = [5 + i % 50 for i in range(24)]  # 6 full blocks of 4
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stack(model):
-    s = await start_stack(model, num_blocks=32, block_size=4, max_batch_tokens=64,
+    s = await start_stack(model, num_blocks=32, block_size=4, max_batch_tokens=64, http={},
                           gateway_kw={"tenant_tokens": {t: n for n, t in TOKENS.items()}},
                           memory_kw={"tenant_max_blocks": 0.5})
     channels = {n: make_channel(s.gateway.address, token=t) for n, t in TOKENS.items()}
@@ -95,3 +95,24 @@ async def test_retention_requested_by_a_request_pins_its_prompt(stack):
                                       sampling_params=common_pb2.SamplingParams(max_tokens=2))
     out = await stream_generate(alice, bad, timeout_s=60, raise_errors=False)
     assert out.status == "INVALID_ARGUMENT" and "retention_s" in out.details
+
+
+async def test_over_http_the_api_key_is_the_tenant(stack):
+    import openai
+
+    name = stack.gateway.http_context.served_model_name
+    prompt = [250 + i for i in range(21)]  # 5 full blocks
+
+    async def cached_of(key, **extra) -> int:
+        client = openai.AsyncOpenAI(base_url=stack.gateway.http_url + "/v1", api_key=key, max_retries=0)
+        res = await client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0,
+                                              extra_body=extra)
+        return res.usage.prompt_tokens_details.cached_tokens
+
+    assert await cached_of(TOKENS["alice"]) == 0
+    assert await cached_of(TOKENS["alice"]) == 20
+    assert await cached_of(TOKENS["bob"]) == 0
+    assert await cached_of(TOKENS["bob"], cache_salt="tenant:5:alice:") == 0
+    with pytest.raises(openai.AuthenticationError):
+        await cached_of("not-a-tenant-token")
+    await stack.wait_idle()
