@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from executor_service.attention import AttentionMetadata
+from executor_service.attention import AttentionMetadata, plan_windows
 from executor_service.linear import Linear, onednn_available
 
 if TYPE_CHECKING:
@@ -47,8 +47,9 @@ def pack_linears(model: torch.nn.Module) -> int:
 class HFModel:
     """A transformers model driven one flattened paged step at a time."""
 
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: torch.nn.Module, windows: list[int | None]) -> None:
         self.model = hf_model
+        self.windows = windows  # per layer (None = full attention)
         self.num_packed_linears = pack_linears(hf_model) if next(hf_model.parameters()).device.type == "cpu" else 0
 
     @torch.inference_mode()
@@ -56,11 +57,8 @@ class HFModel:
                 backend: KernelBackend) -> torch.Tensor:
         """Writes the batch's K/V into the pool and returns logits [R, V] fp32
         for ``batch.logits_indices``."""
-        plan = None
-        if backend.plan_attention is not None:
-            k_cache = kv_caches[0][0]  # [NB, BS, KVH, D], as every layer's
-            plan = backend.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                          k_cache.shape[1], k_cache.shape[0])
+        plans = plan_windows(backend, self.windows, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                             kv_caches[0][0])
         meta = AttentionMetadata(
             slot_mapping=batch.slot_mapping,
             block_tables=batch.block_tables,
@@ -68,7 +66,8 @@ class HFModel:
             query_start_loc=batch.query_start_loc,
             kv_caches=kv_caches,
             backend=backend,
-            plan=plan,
+            layer_windows=self.windows,
+            plans=plans,
         )
         out = self.model(
             input_ids=batch.input_ids.unsqueeze(0),      # [1, T]
