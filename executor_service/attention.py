@@ -61,34 +61,37 @@ def load_backend(name: str) -> KernelBackend:
 class AttentionMetadata:
     """Everything one forward's attention layers need. Built per step; never global."""
 
-    slot_mapping: torch.Tensor     # [T] int32: where each new token's K/V goes
-    block_tables: torch.Tensor     # [S, MB] int32 (rows padded with block 0)
+    slot_mappings: list[torch.Tensor]  # per table group: [T] int32, where each new token's K/V goes
+    block_tables: list[torch.Tensor]   # per table group: [S, MB] int32 (rows padded with block 0)
     seq_lens: torch.Tensor         # [S] int32: context + new tokens
     query_start_loc: torch.Tensor  # [S + 1] int32
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache) views
     backend: KernelBackend
     layer_windows: list[int | None]  # per layer: its sliding window (None = full attention)
-    # backend.plan_attention(...) of this batch per window, shared by every layer of that window
-    plans: dict[int | None, object] | None = None
+    layer_groups: list[int]          # per layer: its table group (all 0 in the per-layer KV layout)
+    # backend.plan_attention(...) per (table group, window), shared by every layer of that pair
+    plans: dict[tuple[int, int | None], object] | None = None
 
 
-def plan_windows(backend: KernelBackend, windows: list[int | None], block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor, k_cache: torch.Tensor):
-    """One attention plan per distinct window (None when the backend plans nothing).
+def plan_windows(backend: KernelBackend, windows: list[int | None], groups: list[int], batch,
+                 k_cache: torch.Tensor):
+    """One attention plan per distinct (table group, window) of the layers
+    (None when the backend plans nothing). batch: the ForwardBatch;
     k_cache: [NB, BS, KVH, D], as every layer's."""
     if backend.plan_attention is None:
         return None
-    return {w: backend.plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], k_cache.shape[0],
-                                      window=w) for w in set(windows)}
+    return {(g, w): backend.plan_attention(batch.tables_of(g), batch.seq_lens, batch.query_start_loc,
+                                           k_cache.shape[1], k_cache.shape[0], window=w)
+            for g, w in set(zip(groups, windows))}
 
 
-def attend(backend: KernelBackend, plans, window: int | None, q, k_cache, v_cache, block_tables, seq_lens,
-           query_start_loc, scale: float, softcap: float | None = None) -> torch.Tensor:
-    """One layer's paged attention with its window's plan. q: [T, H, D] -> [T, H, D]."""
+def attend(backend: KernelBackend, plans, group: int, window: int | None, q, k_cache, v_cache, block_tables,
+           seq_lens, query_start_loc, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """One layer's paged attention with its (group, window)'s plan. q: [T, H, D] -> [T, H, D]."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale))
     kw = {"window": window, "softcap": softcap}
     if plans is not None:
-        kw["plan"] = plans[window]
+        kw["plan"] = plans[(group, window)]
     return backend.paged_attention(*args, **kw)
 
 
@@ -134,9 +137,10 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1).contiguous()    # [T, KVH, D]
     v = value[0].transpose(0, 1).contiguous()  # [T, KVH, D]
     k_cache, v_cache = meta.kv_caches[layer]
-    meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = attend(meta.backend, meta.plans, window, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                 meta.query_start_loc, scaling, softcap)  # [T, H, D]
+    group = meta.layer_groups[layer]
+    meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mappings[group])
+    out = attend(meta.backend, meta.plans, group, window, q, k_cache, v_cache, meta.block_tables[group],
+                 meta.seq_lens, meta.query_start_loc, scaling, softcap)  # [T, H, D]
     return out.unsqueeze(0), None
 
 

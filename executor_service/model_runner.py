@@ -39,6 +39,15 @@ class ForwardBatch:
     seq_lens: torch.Tensor         # [S] int32: context + query
     query_start_loc: torch.Tensor  # [S + 1] int32
     logits_indices: torch.Tensor   # [R] int64: token rows whose logits are needed
+    # Per table group of the KV layout (group 0 = block_tables / slot_mapping).
+    group_block_tables: list[torch.Tensor] | None = None  # [S, MB_g] int32 each
+    group_slot_mappings: list[torch.Tensor] | None = None  # [T] int32 each
+
+    def tables_of(self, group: int) -> torch.Tensor:
+        return self.block_tables if self.group_block_tables is None else self.group_block_tables[group]
+
+    def slots_of(self, group: int) -> torch.Tensor:
+        return self.slot_mapping if self.group_slot_mappings is None else self.group_slot_mappings[group]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -119,10 +128,12 @@ class ModelRunner:
         batch: ForwardBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: KernelBackend,
+        layer_groups: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Writes the batch's K/V into the pool and returns logits [R, V] fp32
-        for ``batch.logits_indices``."""
-        return self.impl.forward(batch, kv_caches, backend)
+        for ``batch.logits_indices``. layer_groups: each layer's table group
+        of the KV layout (None: one table for every layer)."""
+        return self.impl.forward(batch, kv_caches, backend, layer_groups)
 
 
 def _choose_impl(requested: str, hf_model, text_config, windows: list[int | None]):

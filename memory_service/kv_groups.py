@@ -60,6 +60,7 @@ class GroupedSeq:
     tables: list[list[Block | None]] = field(default_factory=list)  # per group; None = freed hole
     hashes: list[list[bytes]] = field(default_factory=list)         # per group: chained full-block hashes
     num_indexed: list[int] = field(default_factory=list)             # per group: leading blocks looked at
+    swapped: list[tuple[int, int, int]] = field(default_factory=list)  # (group, index, swap block) when swapped out
 
 
 class GroupedKV:
@@ -232,6 +233,31 @@ class GroupedKV:
             seq.num_indexed[g] = 0
         seq.num_computed = 0
         return freed
+
+    def swap_out(self, seq: GroupedSeq, swap_ids: list[int]) -> list[tuple[int, int]]:
+        """Move every held block to the swap blocks given (one each, in table
+        order over the groups; holes stay holes). Returns (device, swap) pairs."""
+        held = [(g, i) for g, t in enumerate(seq.tables) for i, b in enumerate(t) if b is not None]
+        assert len(swap_ids) == len(held), "one swap block per held block"
+        pairs = [(seq.tables[g][i].block_id, s) for (g, i), s in zip(held, swap_ids)]
+        self.pool.free([seq.tables[g][i] for g, i in held])
+        for g, i in held:
+            seq.tables[g][i] = None
+        seq.swapped = [(g, i, s) for (g, i), s in zip(held, swap_ids)]
+        return pairs
+
+    def swap_in(self, seq: GroupedSeq) -> list[tuple[int, int]] | None:
+        """Fresh device blocks where the swapped ones were; (swap, device)
+        pairs, or None (nothing changed) when the pool is short."""
+        fresh = self.pool.allocate(len(seq.swapped))
+        if fresh is None:
+            return None
+        pairs = []
+        for (g, i, s), block in zip(seq.swapped, fresh):
+            seq.tables[g][i] = block
+            pairs.append((s, block.block_id))
+        seq.swapped = []
+        return pairs
 
     def take_copies(self) -> list[tuple[int, int]]:
         """This step's copy-on-write pairs; their sources' pinned references go now."""

@@ -54,19 +54,22 @@ class HFModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                backend: KernelBackend) -> torch.Tensor:
+                backend: KernelBackend, layer_groups: tuple[int, ...] | None = None) -> torch.Tensor:
         """Writes the batch's K/V into the pool and returns logits [R, V] fp32
-        for ``batch.logits_indices``."""
-        plans = plan_windows(backend, self.windows, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                             kv_caches[0][0])
+        for ``batch.logits_indices``. layer_groups: each layer's table group
+        (None: one table for all)."""
+        groups = list(layer_groups) if layer_groups is not None else [0] * len(self.windows)
+        plans = plan_windows(backend, self.windows, groups, batch, kv_caches[0][0])
+        num_groups = max(groups) + 1
         meta = AttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            block_tables=batch.block_tables,
+            slot_mappings=[batch.slots_of(g) for g in range(num_groups)],
+            block_tables=[batch.tables_of(g) for g in range(num_groups)],
             seq_lens=batch.seq_lens,
             query_start_loc=batch.query_start_loc,
             kv_caches=kv_caches,
             backend=backend,
             layer_windows=self.windows,
+            layer_groups=groups,
             plans=plans,
         )
         out = self.model(

@@ -115,16 +115,16 @@ class DecoderLayer:
         self.post_eps = float(layer.post_attention_layernorm.variance_epsilon)
 
     def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                kv: tuple[torch.Tensor, torch.Tensor], ops: LayerOps, plans) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], ops: LayerOps, plans, group: int) -> torch.Tensor:
         """h: [T, hidden] the residual stream (updated in place); x: this
-        layer's normalised input. Returns the MLP's output (the caller adds it
+        layer's normalised input; group: its table group. Returns the MLP's output (the caller adds it
         to h with the next norm). Writes this step's K/V into the layer's pool view."""
         t = x.shape[0]
         k_cache, v_cache = kv
         q = ops.rope_store_kv(self.qkv(x), cos, sin, self.num_heads, self.num_kv_heads, k_cache, v_cache,
-                              batch.slot_mapping)  # [T, H, D]
-        attn = attend(ops.backend, plans, self.window, q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                      batch.query_start_loc, self.scaling)
+                              batch.slots_of(group))  # [T, H, D]
+        attn = attend(ops.backend, plans, group, self.window, q, k_cache, v_cache, batch.tables_of(group),
+                      batch.seq_lens, batch.query_start_loc, self.scaling)
         x = ops.add_rms_norm(self.o(attn.view(t, self.q_size)), h, self.post_norm, self.post_eps)
         return self.down(ops.silu_mul(self.gate_up(x)))
 
@@ -152,11 +152,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                backend: KernelBackend) -> torch.Tensor:
+                backend: KernelBackend, layer_groups: tuple[int, ...] | None = None) -> torch.Tensor:
         """Writes the batch's K/V into the pool; returns logits [R, V] fp32 for
-        ``batch.logits_indices``."""
-        plans = plan_windows(backend, self.windows, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                             kv_caches[0][0])
+        ``batch.logits_indices``. layer_groups: each layer's table group
+        (None: one table for all)."""
+        groups = list(layer_groups) if layer_groups is not None else [0] * len(self.layers)
+        plans = plan_windows(backend, self.windows, groups, batch, kv_caches[0][0])
         ops = self._ops.get(backend.name)
         if ops is None:
             ops = self._ops[backend.name] = LayerOps(backend)
@@ -165,7 +166,7 @@ class LlamaModel:
         first = self.layers[0]
         x = ops.rms_norm(h, first.in_norm, first.in_eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            out = layer.forward(h, x, cos, sin, batch, kv, ops, plans)
+            out = layer.forward(h, x, cos, sin, batch, kv, ops, plans, groups[i])
             if i + 1 < len(self.layers):
                 nxt = self.layers[i + 1]
                 x = ops.add_rms_norm(out, h, nxt.in_norm, nxt.in_eps)
