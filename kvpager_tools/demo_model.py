@@ -16,7 +16,7 @@ import argparse
 import os
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "mistral", "gemma2")
+ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|bos|>", "<|eos|>", "<|pad|>"
 # A plain chat template, so chat clients work against the demo model (/v1/chat/completions):
 #   <|bos|>system: ...\nuser: ...\nassistant:
@@ -88,8 +88,8 @@ def _tokenizer(vocab_size: int, max_len: int):
 def _config(arch: str, sliding_window: int | None = None, max_window_layers: int | None = None, **kw):
     """sliding_window: Mistral's on every layer; Qwen2's on the layers from
     ``max_window_layers`` on; Gemma 2's on every other layer (its default
-    4096 when None). Llama has none."""
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+    4096 when None); Gemma 3's on two of every three (local RoPE there). Llama has none."""
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     if arch == "llama":
         if sliding_window is not None:
@@ -107,6 +107,11 @@ def _config(arch: str, sliding_window: int | None = None, max_window_layers: int
         head_dim = kw["hidden_size"] // kw["num_attention_heads"]
         return Gemma2Config(head_dim=head_dim, query_pre_attn_scalar=head_dim,
                             sliding_window=sliding_window or 4096, **kw)
+    if arch == "gemma3":
+        head_dim = kw["hidden_size"] // kw["num_attention_heads"]
+        layer_types = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(kw["num_hidden_layers"])]
+        return Gemma3TextConfig(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=sliding_window or 4096,
+                                layer_types=layer_types, **kw)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

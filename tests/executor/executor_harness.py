@@ -32,6 +32,7 @@ CHECKPOINTS = {
     "qwen2_swa": dict(arch="qwen2", num_heads=4, num_kv_heads=2, seed=5, sliding_window=16, num_layers=3,
                       max_window_layers=1),
     "gemma2": dict(arch="gemma2", num_heads=4, num_kv_heads=2, seed=6, sliding_window=16, num_layers=3),
+    "gemma3": dict(arch="gemma3", num_heads=4, num_kv_heads=2, seed=7, sliding_window=16, num_layers=3),
 }
 WINDOW = 16
 

@@ -2,7 +2,7 @@
 table per KV group (pool slots shared between one layer of each group) and
 the real group allocator frees sliding blocks the window passed, yet greedy
 output stays token-for-token identical to transformers' ``generate`` for
-Mistral, Qwen2 and Gemma 2 — with prompts of 3-4 windows and 42 new tokens,
+Mistral, Qwen2, Gemma 2 and Gemma 3 — with prompts of 3-4 windows and 42 new tokens,
 chunked prefill, a prefix hit, preemption by recompute and by swap, and a
 fork with copy-on-write."""
 
@@ -12,7 +12,7 @@ import pytest
 from executor_harness import WINDOW, prompts
 from group_harness import GroupPlan
 
-FAMILIES = ["mistral_swa", "qwen2_swa", "gemma2"]
+FAMILIES = ["mistral_swa", "qwen2_swa", "gemma2", "gemma3"]
 NEW = 42
 BLOCKS = 192
 
@@ -53,7 +53,8 @@ def test_layout_and_groups(hybrid, ckpt):
     assert info.kv_layout == "hybrid"
     assert groups == {"mistral_swa": [(WINDOW, [0, 1])],
                       "qwen2_swa": [(0, [0]), (WINDOW, [1]), (WINDOW, [2])],
-                      "gemma2": [(0, [1]), (WINDOW, [0]), (WINDOW, [2])]}[ckpt]
+                      "gemma2": [(0, [1]), (WINDOW, [0]), (WINDOW, [2])],
+                      "gemma3": [(0, [2]), (WINDOW, [0]), (WINDOW, [1])]}[ckpt]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

@@ -1,7 +1,8 @@
 """Sliding-window models through the real executor are token-for-token
 identical to transformers' ``generate`` (fp32, eager, with its sliding-window
 mask): Mistral (every layer sliding), Qwen2 (layers from max_window_layers
-sliding) and Gemma 2 (alternating, soft-capped), with prompts of 3-4x the
+sliding), Gemma 2 (alternating, soft-capped) and Gemma 3 (two local layers
+with their own RoPE to one global), with prompts of 3-4x the
 window and 40+ new tokens, ragged batches and chunked prefill; the context
 limit is the model's own, not the window."""
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from executor_harness import WINDOW, Plan, prompts
 
-FAMILIES = ["mistral_swa", "qwen2_swa", "gemma2"]
+FAMILIES = ["mistral_swa", "qwen2_swa", "gemma2", "gemma3"]
 NEW = 42
 ENGINES = {"cpu": ("cpu", "auto"), "torch": ("torch", "transformers")}
 
@@ -73,6 +74,6 @@ def test_the_window_changes_generate(checkpoints, oracle, ckpt):
 def test_windows_and_groups_come_from_the_config(serve):
     layer_windows = {name: serve(name, "torch").executor.runner.layer_windows for name in FAMILIES}
     assert layer_windows == {"mistral_swa": [WINDOW, WINDOW], "qwen2_swa": [None, WINDOW, WINDOW],
-                             "gemma2": [WINDOW, None, WINDOW]}
+                             "gemma2": [WINDOW, None, WINDOW], "gemma3": [WINDOW, WINDOW, None]}
     groups = serve("gemma2", "torch").executor.runner.kv_groups
     assert [(g.window, g.layers) for g in groups] == [(None, (1,)), (WINDOW, (0, 2))]
