@@ -49,6 +49,21 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True, slots=True)
+class GroupUsage:
+    """One group's blocks over a set of sequences (accounting; O(blocks held))."""
+
+    window: int | None
+    used_blocks: int          # distinct blocks the sequences hold in this group
+    logical_blocks: int       # table entries holding a block (a shared block counts per holder)
+    full_attention_blocks: int  # what full attention would hold: every sequence's ⌈computed / block_size⌉
+
+    @property
+    def window_saved_blocks(self) -> int:
+        """Blocks the window gave back (0 for a full group)."""
+        return self.full_attention_blocks - self.logical_blocks
+
+
 @dataclass(slots=True, eq=False)
 class GroupedSeq:
     """One sequence's tables, one per group. Mutated only by ``GroupedKV``."""
@@ -92,6 +107,15 @@ class GroupedKV:
 
     def num_held(self, seq: GroupedSeq, group: int) -> int:
         return sum(1 for b in seq.tables[group] if b is not None)
+
+    def usage(self, seqs) -> list[GroupUsage]:
+        """Per group: blocks in use, and what full attention would have needed."""
+        out = []
+        for g, spec in enumerate(self.groups):
+            held = [b for s in seqs for b in s.tables[g] if b is not None]
+            full = sum(_cdiv(s.num_computed, self.block_size) for s in seqs if s.tables[g])
+            out.append(GroupUsage(spec.window, len({id(b) for b in held}), len(held), full))
+        return out
 
     # ---- prefix hits ------------------------------------------------------------
 

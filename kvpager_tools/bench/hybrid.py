@@ -37,12 +37,12 @@ def sliding_blocks(num_tokens: int, window: int, block_size: int) -> int:
     return _cdiv(num_tokens, block_size) - max(0, num_tokens - window + 1) // block_size
 
 
-def fill(kv: GroupedKV, seq_len: int, chunk: int, rng: random.Random) -> int:
+def fill(kv: GroupedKV, seq_len: int, chunk: int, rng: random.Random) -> list:
     """Admit and grow sequences to seq_len tokens, one after the other, until one
-    cannot be; returns how many are held at seq_len."""
-    held = 0
+    cannot be; returns the sequences held at seq_len."""
+    held = []
     while True:
-        seq = kv.new_seq(held, [rng.randrange(32000) for _ in range(seq_len)], rng.randbytes(32))
+        seq = kv.new_seq(len(held), [rng.randrange(32000) for _ in range(seq_len)], rng.randbytes(32))
         got = kv.admit(seq, chunk)
         if got is None:
             return held
@@ -53,7 +53,7 @@ def fill(kv: GroupedKV, seq_len: int, chunk: int, rng: random.Random) -> int:
                 kv.release(seq)  # the last one does not fit: it gives its blocks back
                 return held
             kv.commit(seq, k)
-        held += 1
+        held.append(seq)
 
 
 def hybrid_capacity(seq_len: int, full_blocks: int = 20000, block_size: int = 16, chunk: int = 512,
@@ -66,8 +66,9 @@ def hybrid_capacity(seq_len: int, full_blocks: int = 20000, block_size: int = 16
     # The same bytes: a hybrid block holds half the layers, so there are twice as many.
     groups = [KvGroupSpec(None, tuple(range(1, num_layers, 2))), KvGroupSpec(window, tuple(range(0, num_layers, 2)))]
     hybrid_kv = GroupedKV(BlockPool("hybrid", full_blocks * num_layers // half, block_size), groups)
-    measured_full = fill(full_kv, seq_len, chunk, random.Random(seed))
-    measured_hybrid = fill(hybrid_kv, seq_len, chunk, random.Random(seed))
+    measured_full = len(fill(full_kv, seq_len, chunk, random.Random(seed)))
+    held = fill(hybrid_kv, seq_len, chunk, random.Random(seed))
+    measured_hybrid = len(held)
     per_seq_full = _cdiv(seq_len, block_size)
     per_seq_hybrid = per_seq_full + sliding_blocks(seq_len, window, block_size)
     bound_full = full_blocks // per_seq_full
@@ -82,6 +83,10 @@ def hybrid_capacity(seq_len: int, full_blocks: int = 20000, block_size: int = 16
         "ratio_bound": round(bound_hybrid / bound_full, 4) if bound_full else None,
         "sliding_blocks_per_seq": sliding_blocks(seq_len, window, block_size),
         "full_blocks_per_seq": per_seq_full,
+        # The hybrid pool when full, per group (what GroupedKV.usage reports).
+        "groups": [{"window": u.window, "layers": len(spec.layers), "used_blocks": u.used_blocks,
+                    "full_attention_blocks": u.full_attention_blocks, "window_saved_blocks": u.window_saved_blocks}
+                   for u, spec in zip(hybrid_kv.usage(held), groups)],
     }
 
 

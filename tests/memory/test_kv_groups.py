@@ -58,6 +58,12 @@ def test_sliding_group_frees_what_the_window_passed():
     _decode_to(kv, seq, 4 * W, check)
     assert seq.num_computed == 32 and len(seq.tables[1]) == 8
     assert kv.num_held(seq, 0) == 8 and kv.num_held(seq, 1) == 2  # keys 25..31: blocks 6, 7
+    child = kv.fork(seq, 2)
+    full, sliding = kv.usage([seq, child])
+    assert (full.used_blocks, full.logical_blocks, full.window_saved_blocks) == (8, 16, 0)
+    assert (sliding.used_blocks, sliding.logical_blocks, sliding.full_attention_blocks) == (2, 4, 16)
+    assert sliding.window_saved_blocks == 12
+    kv.release(child)
     assert kv.release(seq) == 10 and kv.pool.num_free == 32
 
 

@@ -18,6 +18,10 @@ def test_hybrid_reaches_the_bound_past_the_window():
     # the bound leaves out the window's transient chunk, so a small pool lands one short.
     assert (got["concurrency_hybrid"], got["bound_hybrid"]) == (9, 10)
     assert got["ratio"] == 1.5 and got["ratio_bound"] == round(10 / 6, 4)
+    full, sliding = got["groups"]
+    assert (full["window"], full["used_blocks"], full["window_saved_blocks"]) == (None, 9 * 32, 0)
+    assert (sliding["window"], sliding["used_blocks"], sliding["full_attention_blocks"]) == (64, 9 * 8, 9 * 32)
+    assert sliding["window_saved_blocks"] == 9 * 24
 
 
 def test_no_saving_within_the_window():
