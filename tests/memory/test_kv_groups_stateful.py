@@ -1,6 +1,6 @@
 """Property test of the per-group block tables (memory_service.kv_groups):
 random admissions (with prefix hits across groups), prefill chunks, decodes,
-forks with copy-on-write and releases on a small pool with a full and two
+forks with copy-on-write, swaps out and back and releases on a small pool with a full and two
 sliding groups, checked after every rule.
 
 The machine simulates the K/V itself: every slot written holds (group, the
@@ -36,7 +36,7 @@ GROUPS = [KvGroupSpec(None, (0,)), KvGroupSpec(6, (1,)), KvGroupSpec(9, (2,))]
 NUM_BLOCKS = 48
 PREFIXES = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]]
 EXAMPLES = int(os.environ.get("KVPAGER_GROUP_EXAMPLES", "150"))
-STEPS = 80
+STEPS = 100
 RULES_RUN = [0]
 
 
@@ -54,6 +54,9 @@ class GroupedMachine(RuleBasedStateMachine):
         self.seqs: dict[int, object] = {}
         self.next_id = 1
         self.content: dict[int, dict[int, tuple]] = {}  # block id -> offset -> (group, prefix)
+        self.swapped: dict[int, object] = {}            # swapped-out sequences
+        self.swap_content: dict[int, dict[int, tuple]] = {}  # swap block -> its copy of a block's content
+        self.swap_free = list(range(64))
 
     # ---- the simulated data plane ----------------------------------------------
 
@@ -120,6 +123,36 @@ class GroupedMachine(RuleBasedStateMachine):
         parent = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
         self.seqs[self.next_id] = self.kv.fork(parent, self.next_id)
         self.next_id += 1
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        RULES_RUN[0] += 1
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        seq = self.seqs[seq_id]
+        n = sum(self.kv.num_held(seq, g) for g in range(len(GROUPS)))
+        if n > len(self.swap_free):
+            return
+        ids, self.swap_free = self.swap_free[:n], self.swap_free[n:]
+        for device, swap in self.kv.swap_out(seq, ids):
+            self.swap_content[swap] = dict(self.content.get(device, {}))
+        self.swapped[seq_id] = self.seqs.pop(seq_id)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        RULES_RUN[0] += 1
+        seq_id = data.draw(st.sampled_from(sorted(self.swapped)))
+        seq = self.swapped[seq_id]
+        free = self.kv.pool.num_free
+        pairs = self.kv.swap_in(seq)
+        if pairs is None:
+            assert len(seq.swapped) > free
+            return
+        for swap, device in pairs:
+            self.content[device] = self.swap_content.pop(swap)
+            self.swap_free.append(swap)
+        self.seqs[seq_id] = self.swapped.pop(seq_id)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
