@@ -207,10 +207,14 @@ def _decode_split_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    part_start = part * partition_size
+    # Partitions tile the keys the decode sees: from 0, or under a window
+    # from seq_len - window (the decode at seq_len - 1 sees keys > its
+    # position - window), so no program is spent on keys it cannot see.
+    base = seq_len * 0
+    if WINDOW:
+        base = tl.maximum(seq_len - window, 0)
+    part_start = base + part * partition_size
     part_end = tl.minimum(part_start + partition_size, seq_len)  # may be <= start: empty
-    if WINDOW:  # the decode (position seq_len - 1) sees keys >= seq_len - window
-        part_start = tl.maximum(part_start, seq_len - window)
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -258,13 +262,14 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    seq_lens_ptr, query_start_ptr, head_dim, partition_size,
+    seq_lens_ptr, query_start_ptr, head_dim, partition_size, window,
     stride_o_t, stride_o_h, stride_o_d,
     stride_po_s, stride_po_h, stride_po_p,
     stride_pm_s, stride_pm_h,
     PARTS_CHUNK: tl.constexpr,
     DIM_PAD: tl.constexpr,
     NEG_BIG: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     # grid: (seqs, heads). Combine partition partials: with M = max_p m_p,
     # out = sum_p w_p * o_p / sum_p w_p where w_p = l_p * 2^(m_p - M).
@@ -273,7 +278,10 @@ def _decode_reduce_kernel(
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
     q_tok = tl.load(query_start_ptr + seq).to(tl.int64)
-    num_parts = (seq_len + partition_size - 1) // partition_size
+    seen = seq_len
+    if WINDOW:
+        seen = tl.minimum(seq_len, window)  # keys the decode sees (the split kernel's partitions)
+    num_parts = (seen + partition_size - 1) // partition_size
     pm_base = seq * stride_pm_s + head * stride_pm_h
     po_base = seq * stride_po_s + head * stride_po_h
     d = tl.arange(0, DIM_PAD).to(tl.int64)
@@ -403,6 +411,8 @@ def paged_attention_impl(
     if split_decode:
         assert num_tokens == num_seqs, "split decode needs exactly one query token per sequence"
         max_context = max_blocks * block_size
+        if window is not None:  # partitions tile the window only
+            max_context = min(max_context, window)
         part = partition_size or decode_partition_size(num_seqs, num_kv_heads, max_context, cfg.tile_n)
         assert part % cfg.tile_n == 0 and part & (part - 1) == 0, (
             f"partition_size {part} must be a power of two multiple of {cfg.tile_n}"
@@ -423,10 +433,10 @@ def paged_attention_impl(
             **common, **launch_opts,
         )
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_o, part_m, part_l, seq_lens, query_start_loc, head_dim, part,
+            out, part_o, part_m, part_l, seq_lens, query_start_loc, head_dim, part, win,
             *out.stride(), *part_o.stride()[:3], *part_m.stride()[:2],
             PARTS_CHUNK=min(32, next_pow2(num_parts)),
-            DIM_PAD=dim_pad, NEG_BIG=_NEG_BIG, **launch_opts,
+            DIM_PAD=dim_pad, NEG_BIG=_NEG_BIG, WINDOW=window is not None, **launch_opts,
         )
         return out
 

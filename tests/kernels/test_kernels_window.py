@@ -110,6 +110,17 @@ def test_triton_window_matches_reference(device, mix, window):
         torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [7, 64, 100])
+def test_triton_split_decode_partitions_tile_the_window(device, window):
+    """Flash-decoding's partitions cover only the window: several partitions
+    per window (64-token partitions), a window wider than some contexts."""
+    impl = _triton()
+    batch = _batch("decode", window, block_size=16, device=device)
+    got = impl(*batch.args(), window=window, split_decode=True, partition_size=64)
+    want = R.paged_attention(*batch.args(), window=window)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mix", ["decode", "mixed"])
 def test_triton_softcap_matches_reference(device, mix):
     impl = _triton()
