@@ -184,19 +184,13 @@ class Executor:
         metrics.POOL_BLOCKS.labels(*labels, "device").set(num_blocks)
         metrics.POOL_BLOCKS.labels(*labels, "swap").set(num_swap)
 
-    def _probe_swap(self, num_blocks: int = 8, repeats: int = 3) -> None:
-        """Time a few swap round trips of the (still empty) pool, so the copy
-        bandwidth is known before the first preemption; later swaps refine it."""
-        n = min(num_blocks, self.pool.num_blocks, self.pool.num_swap_blocks)
-        if n <= 0:
-            return
-        ids = torch.arange(n, dtype=torch.int64)
-        for _ in range(repeats):
+    def _probe_swap(self) -> None:
+        """The copy bandwidth before the first preemption (later swaps refine it)."""
+        for _ in range(3 if self.pool.num_swap_blocks else 0):
             t0 = time.perf_counter()
-            self.pool.swap_out(ids, ids)
-            self.pool.swap_in(ids, ids)
+            moved = self.pool.swap_round_trip()
             self._sync()
-            self.costs.record_swap(2 * n, time.perf_counter() - t0)
+            self.costs.record_swap(moved, time.perf_counter() - t0)
 
     def _max_model_len(self) -> int:
         limit = self.runner.max_model_len
