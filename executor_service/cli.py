@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: kvpager's own Llama-family forward where it fits, else transformers' model code")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-layout", choices=KV_LAYOUTS, default="per-layer",
-                   help="per-layer: one block table for all layers; hybrid: a table per KV group (stand-alone only)")
+                   help="per-layer: one block table for all layers; hybrid: a table per KV group (sliding groups free the blocks their window passed)")
     p.add_argument("--grace-s", type=float, default=5.0)
     from kvpager.security import add_security_arguments
     from kvpager.telemetry import add_observability_arguments

@@ -66,9 +66,6 @@ class ExecutorConfig:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}")
-        if self.kv_layout == "hybrid" and self.memory_address:
-            raise ValueError("kv_layout 'hybrid' needs plans with a table per KV group, which the memory "
-                             "service does not make yet; serve with kv_layout 'per-layer'")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.kv_cache_gib <= 0:

@@ -24,7 +24,7 @@ from executor_service.costs import CostMeter
 from executor_service.history import TokenHistories
 from executor_service.placeholders import LastSamples
 from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidates
-from executor_service.kv_layout import make_layout
+from executor_service.kv_layout import make_layout, pool_tokens
 from executor_service.kv_pool import GIB, KvPool, block_bytes, device_pool_budget, num_blocks_for_bytes
 from executor_service.model_runner import ModelRunner, resolve_device
 from executor_service.sampler import sample
@@ -151,7 +151,7 @@ class Executor:
         # Its own prefill throughput and copy bandwidth, reported to the memory service (costs.py).
         self.costs = CostMeter(self.pool.block_bytes)
         self._probe_swap()
-        self.max_model_len = self._fit_model_len(num_blocks * config.block_size)
+        self.max_model_len = self._fit_model_len(pool_tokens(self.layout, num_blocks, config.block_size))
         self.executor_id = config.executor_id
         self.model_id = config.model_id or Path(config.model).resolve().name
         self.incarnation = new_incarnation()

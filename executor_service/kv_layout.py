@@ -53,3 +53,20 @@ def make_layout(name: str, windows: list[int | None]) -> KvLayout:
                 layer_group[layer], layer_slot[layer] = len(groups), slot
             groups.append(KvGroupSpec(spec.window, chunk))
     return KvLayout(name, tuple(groups), tuple(layer_group), tuple(layer_slot), tuple(windows), size)
+
+
+def pool_tokens(layout: KvLayout, num_blocks: int, block_size: int) -> int:
+    """The longest sequence the pool can hold on its own. One table for all
+    layers: every block. A table per group: a sliding group holds at most its
+    window's blocks and the one being written (the memory service's bound,
+    ``GroupedExecutorKV.can_ever_fit``), each full group every block, so an
+    all-sliding model's length is not bounded by the pool at all."""
+    if layout.name == "per-layer":
+        return num_blocks * block_size
+    fixed = sum(-(-g.window // block_size) + 2 for g in layout.groups if g.window is not None)
+    num_full = sum(1 for g in layout.groups if g.window is None)
+    if fixed > num_blocks:
+        return 0
+    if not num_full:
+        return 1 << 30
+    return (num_blocks - fixed) // num_full * block_size

@@ -66,6 +66,8 @@ class ExecutorServer:
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             costs=self.costs(),
+            # A table per KV group: the memory service keeps each group's tables (window frees).
+            kv_group_windows=[w for w, _ in info.kv_groups] if info.kv_layout == "hybrid" else [],
         )
 
     def costs(self) -> memory_pb2.ExecutorCosts:

@@ -16,6 +16,9 @@ KEYS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_us
         "contiguous_declared_blocks", "num_sequences", "num_swapped_sequences", "swap_free_blocks",
         "copy_on_write_copies", "evictions",
         "pinned_blocks", "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s")
+# Per KV group of an executor with a table per group (kv_layout hybrid): "kv_groups", a list of these.
+GROUP_KEYS = ("window", "used_blocks", "logical_blocks", "full_attention_blocks", "window_saved_blocks",
+              "max_seq_blocks")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,10 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def snapshot_dict(snap) -> dict:
     """AccountingSnapshot -> the documented JSON shape."""
     def part(p) -> dict:
-        return {"executor_id": p.executor_id, **{k: getattr(p, k) for k in KEYS}}
+        return {"executor_id": p.executor_id, **{k: getattr(p, k) for k in KEYS},
+                "kv_groups": [{k: getattr(g, k) for k in GROUP_KEYS} for g in p.kv_groups]}
 
     out = part(snap.total)
-    del out["executor_id"]
+    del out["executor_id"], out["kv_groups"]
     out["executors"] = [part(p) for p in snap.executors]
     out["mirror"] = {"enabled": snap.mirror_enabled, "stale": snap.mirror_stale,
                      "lag_events": snap.mirror_lag_events}
@@ -63,6 +67,16 @@ def render_table(data: dict):
 
     for key in KEYS:
         table.add_row(key, fmt(data[key]), *[fmt(ex[key]) for ex in data["executors"]])
+    # KV groups (executors with a table per group): used blocks, and for sliding ones what the window saved.
+    for g in range(max((len(ex["kv_groups"]) for ex in data["executors"]), default=0)):
+        def cell(ex, key, g=g) -> str:
+            groups = ex["kv_groups"]
+            if g >= len(groups):
+                return ""
+            return f"{groups[g][key]} (window {groups[g]['window']})" if key == "used_blocks" and groups[g]["window"] \
+                else str(groups[g][key])
+        for key in ("used_blocks", "full_attention_blocks", "window_saved_blocks", "max_seq_blocks"):
+            table.add_row(f"group {g} {key}", "", *[cell(ex, key) for ex in data["executors"]])
     mirror = data["mirror"]
     table.caption = ("mirror: " + ("off" if not mirror["enabled"] else
                                    ("STALE" if mirror["stale"] else "in sync") + f", lag {mirror['lag_events']}"))

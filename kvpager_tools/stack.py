@@ -664,11 +664,11 @@ async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 
                            swap_blocks: int = 64, swap_min_tokens: int = 256, preemption_mode: str = "cost",
                            redis_url: str | None = None, http: dict | None = None, gateway_kw: dict | None = None,
                            metrics: bool = False, memory_kw: dict | None = None,
-                           **engine_kw) -> InProcessStack:
+                           executor_kw: dict | None = None, **engine_kw) -> InProcessStack:
     """Memory service, ``executors`` executors and a gateway (EngineConfig ``engine_kw``) in this
     process; returns once the gateway routes to every executor. ``http``: serve the HTTP API
     on a free port (HttpConfig fields; ``gateway.http_url``), else none; ``gateway_kw``,
-    ``memory_kw``: more GatewayConfig / MemoryConfig fields; ``metrics``: every service serves
+    ``memory_kw``, ``executor_kw``: more GatewayConfig / MemoryConfig / ExecutorConfig fields; ``metrics``: every service serves
     /metrics on a free port (``<server>.runtime.metrics_port``)."""
     import asyncio
 
@@ -687,7 +687,7 @@ async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 
     for i in range(executors):
         exs.append(await start_executor_server(ExecutorConfig(
             model=model, executor_id=f"executor-{i}", memory_address=memory.address, num_blocks=num_blocks,
-            block_size=block_size, swap_blocks=swap_blocks, metrics_port=mport)))
+            block_size=block_size, swap_blocks=swap_blocks, metrics_port=mport, **(executor_kw or {}))))
     engine_kw.setdefault("executor_refresh_s", 0.2)
     http_config = HttpConfig(**{"port": 0, **http}) if http is not None else None
     gateway = await GatewayServer(GatewayConfig(model=model, memory_address=memory.address, port=0,

@@ -25,9 +25,10 @@ Figures that read alike are kept apart so none can be misread for another:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from memory_service.costs import ExecutorCosts
+from memory_service.kv_groups import GroupUsage
 from memory_service.kv_manager import ExecutorKV
 from kvpager.seq_status import SeqStatus
 from memory_service.sequence import Sequence
@@ -75,9 +76,18 @@ class PoolAccounting:
     prefill_tokens_per_s: float = 0.0
     swap_bytes_per_s: float = 0.0
     pinned_blocks: int = 0
+    kv_groups: list[GroupUsage] = field(default_factory=list)  # per KV group (grouped executors only)
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["kv_groups"] = [group_dict(g) for g in self.kv_groups]
+        return out
+
+
+def group_dict(g: GroupUsage) -> dict:
+    return {"window": g.window or 0, "used_blocks": g.used_blocks, "logical_blocks": g.logical_blocks,
+            "full_attention_blocks": g.full_attention_blocks, "window_saved_blocks": g.window_saved_blocks,
+            "max_seq_blocks": g.max_seq_blocks}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -108,10 +118,14 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence], costs: Execut
         declared += _cdiv(seq.token_limit or max_len, bs)
         logical += len(seq.blocks)
         n = seq.num_computed
-        for i, block in enumerate(seq.blocks):
-            f = min(bs, max(0, n - i * bs))
-            if f > filled.get(block.block_id, -1):
-                filled[block.block_id] = f
+        # A grouped sequence's blocks sit at their table index in each group (holes: None).
+        for table in (seq.kv_groups.tables if seq.kv_groups is not None else (seq.blocks,)):
+            for i, block in enumerate(table):
+                if block is None:
+                    continue
+                f = min(bs, max(0, n - i * bs))
+                if f > filled.get(block.block_id, -1):
+                    filled[block.block_id] = f
     physical = len(filled)
     live = sum(filled.values())
     used = pool.num_blocks - pool.num_free
@@ -157,6 +171,7 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence], costs: Execut
         prefill_tokens_per_s=costs.prefill_tokens_per_s[-1] if costs and costs.prefill_tokens_per_s else 0.0,
         swap_bytes_per_s=costs.swap_bytes_per_s if costs else 0.0,
         pinned_blocks=pinned_blocks,
+        kv_groups=kv.usage([seqs[i] for i in kv.seq_ids]) if kv.grouped else [],
     )
 
 
@@ -205,7 +220,9 @@ def check_invariants(kv: ExecutorKV, seqs: dict[int, Sequence]) -> list[str]:
             holders[block.block_id] = holders.get(block.block_id, 0) + 1
         if list(seq.block_ids) != [b.block_id for b in seq.blocks]:
             bad.append(f"seq {seq_id}: block_ids out of step with its blocks")
-        if seq.status is SeqStatus.RUNNING:
+        if kv.grouped:
+            bad += _check_grouped(kv, seq)
+        elif seq.status is SeqStatus.RUNNING:
             if len(seq.blocks) != _cdiv(seq.num_computed, bs):
                 bad.append(f"seq {seq_id}: {len(seq.blocks)} blocks for {seq.num_computed} tokens")
         elif seq.blocks:
@@ -214,7 +231,7 @@ def check_invariants(kv: ExecutorKV, seqs: dict[int, Sequence]) -> list[str]:
             bad.append(f"seq {seq_id}: {len(seq.swap_blocks)} swap blocks for {seq.num_computed} tokens")
         if seq.num_computed > seq.num_tokens:
             bad.append(f"seq {seq_id}: computed {seq.num_computed} > {seq.num_tokens} tokens")
-        for i, block in enumerate(seq.blocks[: seq.num_computed // bs]):
+        for i, block in enumerate(seq.blocks[: seq.num_computed // bs] if not kv.grouped else ()):
             if block.token_ids is not None and list(block.token_ids) != seq.token_ids[i * bs:(i + 1) * bs]:
                 bad.append(f"seq {seq_id}: cached block {block.block_id} holds other tokens")
     in_queue = set(queue)
@@ -243,4 +260,31 @@ def check_invariants(kv: ExecutorKV, seqs: dict[int, Sequence]) -> list[str]:
     held_swap = sum(len(seqs[s].swap_blocks) for s in kv.seq_ids if s in seqs)
     if held_swap + kv.swap.num_free != kv.swap.num_blocks:
         bad.append(f"swap: held {held_swap} + free {kv.swap.num_free} != {kv.swap.num_blocks}")
+    return bad
+
+
+def _check_grouped(kv: ExecutorKV, seq: Sequence) -> list[str]:
+    """A grouped sequence's tables: one per group, each ⌈computed / block_size⌉ long when running
+    (holes only where the window passed), the flat block list their held blocks, cached blocks
+    holding its tokens."""
+    bad: list[str] = []
+    gs, bs = seq.kv_groups, kv.block_size
+    if gs is None:
+        return [f"seq {seq.seq_id}: no group tables"] if seq.status is not SeqStatus.WAITING else []
+    if [b for t in gs.tables for b in t if b is not None] != seq.blocks:
+        bad.append(f"seq {seq.seq_id}: flat blocks out of step with its group tables")
+    for g, table in enumerate(gs.tables):
+        if seq.status is SeqStatus.RUNNING and len(table) != _cdiv(seq.num_computed, bs):
+            bad.append(f"seq {seq.seq_id} group {g}: {len(table)} entries for {seq.num_computed} tokens")
+        first = kv.gkv.first_needed(g, seq.num_computed)
+        if seq.status is SeqStatus.RUNNING and any(b is None for b in table[first:]):
+            bad.append(f"seq {seq.seq_id} group {g}: a hole inside the window")
+        for i, block in enumerate(table[: seq.num_computed // bs]):
+            if block is not None and block.token_ids is not None \
+                    and list(block.token_ids) != seq.token_ids[i * bs:(i + 1) * bs]:
+                bad.append(f"seq {seq.seq_id} group {g}: cached block {block.block_id} holds other tokens")
+    if seq.status is not SeqStatus.RUNNING and seq.blocks:
+        bad.append(f"seq {seq.seq_id} is {seq.status.value} but holds device blocks")
+    if seq.status is SeqStatus.SWAPPED and len(seq.swap_blocks) != len(gs.swapped):
+        bad.append(f"seq {seq.seq_id}: {len(seq.swap_blocks)} swap blocks for {len(gs.swapped)} swapped")
     return bad

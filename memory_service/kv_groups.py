@@ -57,6 +57,7 @@ class GroupUsage:
     used_blocks: int          # distinct blocks the sequences hold in this group
     logical_blocks: int       # table entries holding a block (a shared block counts per holder)
     full_attention_blocks: int  # what full attention would hold: every sequence's ⌈computed / block_size⌉
+    max_seq_blocks: int = 0     # the most blocks one sequence holds in this group
 
     @property
     def window_saved_blocks(self) -> int:
@@ -114,7 +115,8 @@ class GroupedKV:
         for g, spec in enumerate(self.groups):
             held = [b for s in seqs for b in s.tables[g] if b is not None]
             full = sum(_cdiv(s.num_computed, self.block_size) for s in seqs if s.tables[g])
-            out.append(GroupUsage(spec.window, len({id(b) for b in held}), len(held), full))
+            most = max((self.num_held(s, g) for s in seqs), default=0)
+            out.append(GroupUsage(spec.window, len({id(b) for b in held}), len(held), full, most))
         return out
 
     # ---- prefix hits ------------------------------------------------------------
@@ -209,13 +211,20 @@ class GroupedKV:
                 table.extend(self.pool.allocate(grow))
         return True
 
-    def commit(self, seq: GroupedSeq, k: int) -> int:
+    def commit(self, seq: GroupedSeq, k: int, known: int | None = None, reader: int | None = None) -> int:
         """k more tokens are computed: newly full blocks enter the prefix
         index (per group), and sliding groups give back the blocks their
-        window has passed. Returns blocks freed."""
+        window has passed. Returns blocks freed.
+
+        ``known``: tokens whose ids are known (placeholders are never
+        hashed; default all). ``reader``: the earliest query position still
+        to be computed (default the new num_computed). A caller that commits
+        when it plans, before the executor ran those k tokens, passes the
+        first of them: their queries still read the window behind it, so a
+        block they read must not be handed to another sequence this step."""
         seq.num_computed += k
         c, bs = seq.num_computed, self.block_size
-        n_full = min(c, len(seq.token_ids)) // bs
+        n_full = min(c, len(seq.token_ids) if known is None else known) // bs
         freed = 0
         for g, table in enumerate(seq.tables):
             if n_full > seq.num_indexed[g]:
@@ -226,7 +235,8 @@ class GroupedKV:
                         parent = hashes[i - 1] if i else None
                         self.pool.cache_block(block, hashes[i], seq.token_ids[i * bs:(i + 1) * bs], parent, i)
                 seq.num_indexed[g] = n_full
-            passed = [i for i in range(self.first_needed(g, c)) if table[i] is not None]
+            passed = [i for i in range(self.first_needed(g, c if reader is None else reader))
+                      if table[i] is not None]
             if passed:
                 freed += self.pool.free([table[i] for i in passed])
                 for i in passed:

@@ -42,6 +42,9 @@ class ExecutorSpec:
     max_model_len: int = 0
     vocab_size: int = 0
     adapter: str = ""
+    # Its KV layout's table groups, in plan order: each group's sliding window (0 = full attention).
+    # Empty: one table for all layers (ExecutorKV); else a table per group (grouped_kv.GroupedExecutorKV).
+    kv_group_windows: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -68,6 +71,8 @@ def _cdiv(a: int, b: int) -> int:
 
 class ExecutorKV:
     """Block tables of one executor's sequences. Owns its BlockPool and SwapPool."""
+
+    grouped = False  # a table per KV group (GroupedExecutorKV): no decode fast path
 
     def __init__(self, spec: ExecutorSpec, events: EventQueue | None = None,
                  eviction: EvictionPolicy | None = None) -> None:
@@ -245,6 +250,10 @@ class ExecutorKV:
         if seq.status is SeqStatus.RUNNING and seq.num_computed // self.block_size > seq.num_cached_blocks:
             self.commit(seq, 0)
 
+    def pool_tokens(self) -> int:
+        """The longest sequence the pool can ever hold."""
+        return self.spec.num_blocks * self.block_size
+
     def can_ever_fit(self, num_tokens: int) -> bool:
         return _cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
 
@@ -347,6 +356,10 @@ class ExecutorKV:
         """The table changes since the last plan this executor was sent."""
         tables, self.tables = self.tables, TableChanges()
         return tables
+
+    def take_group_tables(self) -> list[TableChanges]:
+        """Table changes of KV groups 1, 2, … (none: one table for all layers)."""
+        return []
 
     def take_ops(self) -> CacheOpsBuilder:
         """This step's cache ops; deferred swap blocks and copy sources become

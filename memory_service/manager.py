@@ -19,6 +19,7 @@ from kvpager.log_limits import clip
 from kvpager.prefix_index.hashing import namespace_digest, root_hash
 from memory_service.accounting import PoolAccounting, check_invariants, executor_accounting, total_accounting
 from memory_service.events import EventQueue
+from memory_service.grouped_kv import GroupedExecutorKV
 from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 from memory_service.limits import MemoryLimits, check_name
 from memory_service.planner import Planner
@@ -29,6 +30,9 @@ from memory_service.retention import PinBudget
 from memory_service.records import NewSeq, PrefixScore, Rejected, RejectionReason, StepInput, StepOutput
 from memory_service.sequence import PLACEHOLDER, Sequence
 from memory_service.validation import DecodeStep, StepValidator
+
+
+MAX_KV_GROUPS = 256  # table groups one executor may register (a model's layers, at one per group)
 
 
 class MemoryManager:
@@ -56,6 +60,7 @@ class MemoryManager:
         self._arrivals = itertools.count()
         self.last_step_id = 0
         self._last_output: StepOutput | None = None
+        self._num_grouped = 0  # executors with a table per KV group: the decode fast path assumes one table
 
     # ---- executors ------------------------------------------------------------
 
@@ -71,13 +76,16 @@ class MemoryManager:
         old = self.executors.get(spec.executor_id)
         if old is not None:
             same = (old.spec.incarnation == spec.incarnation and old.spec.pool_generation == spec.pool_generation
-                    and old.spec.num_blocks == spec.num_blocks and old.spec.block_size == spec.block_size)
+                    and old.spec.num_blocks == spec.num_blocks and old.spec.block_size == spec.block_size
+                    and old.spec.kv_group_windows == spec.kv_group_windows)
             if same:
                 old.spec.address = spec.address or old.spec.address
                 self.update_costs(spec.executor_id, costs)
                 return False
             self._drop_executor(old)
-        self.executors[spec.executor_id] = ExecutorKV(spec, self.events, self.eviction)
+        make = GroupedExecutorKV if spec.kv_group_windows else ExecutorKV
+        self.executors[spec.executor_id] = make(spec, self.events, self.eviction)
+        self._num_grouped = sum(1 for kv in self.executors.values() if kv.grouped)
         self.costs.pop(spec.executor_id, None)
         self.update_costs(spec.executor_id, costs)
         self._namespaces[spec.executor_id] = namespace_digest(spec.model_id, spec.block_size, spec.dtype,
@@ -96,6 +104,8 @@ class MemoryManager:
         check_name(spec.executor_id, "executor_id", lim.max_executor_id_chars, "max_executor_id_chars")
         for name in ("address", "model_id", "dtype", "adapter"):
             check_name(getattr(spec, name), name, lim.max_name_chars, "max_name_chars")
+        if len(spec.kv_group_windows) > MAX_KV_GROUPS:
+            raise InvalidArgument(f"kv_group_windows: {len(spec.kv_group_windows)} groups; the limit is {MAX_KV_GROUPS}")
         if spec.num_blocks > lim.max_pool_blocks or spec.num_swap_blocks > lim.max_pool_blocks:
             raise InvalidArgument(f"num_blocks and num_swap_blocks must be <= {lim.max_pool_blocks} "
                                   "(max_pool_blocks)")
@@ -115,6 +125,7 @@ class MemoryManager:
                                      f"not {incarnation}")
         dropped = self._drop_executor(kv)
         del self.executors[executor_id]
+        self._num_grouped = sum(1 for kv in self.executors.values() if kv.grouped)
         self.costs.pop(executor_id, None)
         return dropped
 
@@ -137,8 +148,9 @@ class MemoryManager:
         return kv
 
     def _token_limit(self, seq: Sequence) -> int:
-        spec = self.executors[seq.executor_id].spec
-        limit = spec.num_blocks * spec.block_size
+        kv = self.executors[seq.executor_id]
+        spec = kv.spec
+        limit = kv.pool_tokens()
         if spec.max_model_len:
             limit = min(limit, spec.max_model_len)
         if seq.max_total_tokens:
@@ -152,7 +164,7 @@ class MemoryManager:
             return self._last_output  # a retried step: same plan, no second application
         if step.step_id and step.step_id < self.last_step_id:
             raise FailedPrecondition(f"step {step.step_id} is older than the last step {self.last_step_id}")
-        decode = self.validator.check_decode(step)
+        decode = None if self._num_grouped else self.validator.check_decode(step)
         if decode is None:
             self.validator.check(step)
         out = StepOutput(step.step_id)
@@ -214,7 +226,7 @@ class MemoryManager:
         if not kv.can_ever_fit(max(n, new.max_total_tokens)):
             return Rejected(new.seq_id, RejectionReason.OVER_POOL,
                             f"sequence needs {max(n, new.max_total_tokens)} tokens; the executor's KV pool "
-                            f"holds {kv.spec.num_blocks * kv.spec.block_size} in all")
+                            f"holds {kv.pool_tokens()} in all")
         quota = self.planner.quota
         if quota is not None:
             cap = quota.cap(kv.spec.num_blocks)

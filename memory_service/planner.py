@@ -56,6 +56,8 @@ def blocks_to_add(kv: ExecutorKV, seq: Sequence, k: int, held: set[int]) -> int:
     bs = kv.block_size
     if seq.status is SeqStatus.RUNNING:
         k = min(k, seq.num_tokens - seq.num_computed)
+        if kv.grouped:
+            return kv.blocks_needed(seq, k)
         blocks = seq.blocks
         copies = sum(1 for b in blocks[seq.num_computed // bs:] if b.ref_cnt > 1)  # copy-on-write of a shared tail
         return max(0, -(-(seq.num_computed + k) // bs) - len(blocks)) + copies
@@ -129,8 +131,12 @@ class Planner:
                 continue
             if status is running:
                 k = min(k, len(seq.token_ids) - seq.num_computed)  # >= 1, validated
-                if kv.allocate_slots(seq, k) or self.make_room(
-                        kv, seq, lambda kv=kv, seq=seq, k=k: kv.allocate_slots(seq, k), None, handled, out, preempted):
+                ok = kv.allocate_slots(seq, k) or self.make_room(
+                    kv, seq, lambda kv=kv, seq=seq, k=k: kv.allocate_slots(seq, k), None, handled, out, preempted)
+                if not ok and kv.grouped and seq.status is running:
+                    k = kv.fit_tokens(seq, k)  # a smaller chunk: the window frees behind it
+                    ok = k > 0 and kv.allocate_slots(seq, k)
+                if ok:
                     _add_row(rows, kv.spec.executor_id, seq_id, k)
                     kv.commit(seq, k)
                 else:
@@ -154,8 +160,12 @@ class Planner:
                     granted.append(r[1])
                     return True
 
-                if self.make_room(kv, seq, admit, lambda kv=kv, seq=seq, k=k: kv.room_needed(seq, k),
-                                  handled, out, preempted):
+                ok = self.make_room(kv, seq, admit, lambda kv=kv, seq=seq, k=k: kv.room_needed(seq, k),
+                                    handled, out, preempted)
+                if not ok and kv.grouped:
+                    part = kv.fit_tokens(seq, k)  # a smaller first chunk: the window frees behind it
+                    ok = part > 0 and admit(k=part)
+                if ok:
                     if first:
                         seq.admitted = True
                         seq.num_cached_tokens = seq.num_computed  # the prefix hit
@@ -215,7 +225,7 @@ class Planner:
                 assert not kv.tables.has_row_changes, "table starts and extends come with rows"
                 continue
             plan = ExecutorStepPlan(executor_id, kv.spec.incarnation, kv.table_epoch, tables=kv.take_tables(),
-                                    ops=ops)
+                                    group_tables=kv.take_group_tables(), ops=ops)
             if plan_rows:
                 plan.seq_ids, plan.query_lens = plan_rows
             out.executor_plans.append(plan)

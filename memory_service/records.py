@@ -60,6 +60,7 @@ class ExecutorStepPlan:
     seq_ids: array = field(default_factory=lambda: array("q"))     # the rows, in allocation order
     query_lens: array = field(default_factory=lambda: array("i"))  # tokens each computes now
     tables: TableChanges = field(default_factory=TableChanges)
+    group_tables: list[TableChanges] = field(default_factory=list)  # KV groups 1, 2, … (grouped executors)
     ops: CacheOpsBuilder = field(default_factory=CacheOpsBuilder)
 
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpager.seq_status import SeqStatus
 from memory_service.block import Block
+
+if TYPE_CHECKING:
+    from memory_service.kv_groups import GroupedSeq
 
 
 PLACEHOLDER = -1     # a token id not known yet (see Sequence.num_pending)
@@ -46,6 +50,8 @@ class Sequence:
     request_id: str = ""            # the client's request (operators only; never a key)
     tenant: str = ""                # whose blocks these are (per-tenant quotas; forks inherit it)
     retention_s: float = 0.0        # keep its prompt's blocks cached this long after it ends (retention.py)
+    # Its table per KV group, on an executor with a table per group (memory_service.grouped_kv); None otherwise.
+    kv_groups: GroupedSeq | None = None
 
     @property
     def num_tokens(self) -> int:

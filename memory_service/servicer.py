@@ -38,7 +38,8 @@ def spec_from_proto(info: memory_pb2.ExecutorPoolInfo) -> ExecutorSpec:
         executor_id=info.executor_id, num_blocks=info.num_blocks, block_size=info.block_size,
         num_swap_blocks=info.num_swap_blocks, address=info.address, model_id=info.model_id,
         dtype=info.dtype, incarnation=info.incarnation, pool_generation=info.pool_generation,
-        max_model_len=info.max_model_len, vocab_size=info.vocab_size, adapter=info.adapter)
+        max_model_len=info.max_model_len, vocab_size=info.vocab_size, adapter=info.adapter,
+        kv_group_windows=tuple(info.kv_group_windows))
 
 
 def costs_from_proto(msg: memory_pb2.ExecutorCosts) -> ExecutorCosts:
@@ -59,7 +60,8 @@ def spec_to_proto(spec: ExecutorSpec, costs: ExecutorCosts | None = None) -> mem
         executor_id=spec.executor_id, address=spec.address, num_blocks=spec.num_blocks,
         block_size=spec.block_size, num_swap_blocks=spec.num_swap_blocks, model_id=spec.model_id,
         dtype=spec.dtype, incarnation=spec.incarnation, pool_generation=spec.pool_generation,
-        max_model_len=spec.max_model_len, vocab_size=spec.vocab_size, adapter=spec.adapter)
+        max_model_len=spec.max_model_len, vocab_size=spec.vocab_size, adapter=spec.adapter,
+        kv_group_windows=spec.kv_group_windows)
 
 
 def _hashes(data: bytes, field: str) -> list[bytes]:
@@ -134,6 +136,8 @@ def plan_to_proto(out: StepOutput) -> memory_pb2.StepPlan:
             ep.tables.CopyFrom(_tables_to_proto(p.tables))
             if p.tables.started_seq_ids:
                 ep.started_cached_tokens = array_bytes(p.tables.started_cached_tokens)
+        for t in p.group_tables:
+            ep.group_tables.append(_tables_to_proto(t))
         if p.ops:
             ep.cache_ops.CopyFrom(_ops_to_proto(p.ops))
     for (seq_id, mode), d in zip(out.preempted, out.decisions):
@@ -149,7 +153,9 @@ def plan_to_proto(out: StepOutput) -> memory_pb2.StepPlan:
 
 
 def accounting_to_proto(a: PoolAccounting) -> memory_pb2.PoolAccounting:
-    return memory_pb2.PoolAccounting(**a.as_dict())
+    d = a.as_dict()
+    groups = [memory_pb2.KvGroupAccounting(**g) for g in d.pop("kv_groups")]
+    return memory_pb2.PoolAccounting(**d, kv_groups=groups)
 
 
 MAX_BLOCK_SIZE = 1024  # tokens; the executor's own limit

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ExecutorPoolInfo(_message.Message):
-    __slots__ = ("executor_id", "address", "num_blocks", "block_size", "num_swap_blocks", "model_id", "dtype", "incarnation", "pool_generation", "max_model_len", "vocab_size", "adapter", "costs")
+    __slots__ = ("executor_id", "address", "num_blocks", "block_size", "num_swap_blocks", "model_id", "dtype", "incarnation", "pool_generation", "max_model_len", "vocab_size", "adapter", "costs", "kv_group_windows")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class ExecutorPoolInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     COSTS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     num_blocks: int
@@ -35,7 +36,8 @@ class ExecutorPoolInfo(_message.Message):
     vocab_size: int
     adapter: str
     costs: ExecutorCosts
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., adapter: _Optional[str] = ..., costs: _Optional[_Union[ExecutorCosts, _Mapping]] = ...) -> None: ...
+    kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., adapter: _Optional[str] = ..., costs: _Optional[_Union[ExecutorCosts, _Mapping]] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecutorCosts(_message.Message):
     __slots__ = ("prefill_batch_tokens", "prefill_tokens_per_s", "swap_bytes_per_s", "block_bytes")
@@ -218,7 +220,7 @@ class FreeResponse(_message.Message):
     def __init__(self, blocks_released: _Optional[int] = ...) -> None: ...
 
 class PoolAccounting(_message.Message):
-    __slots__ = ("executor_id", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots", "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks", "copy_on_write_copies", "evictions", "block_size", "swapped_out_blocks", "swapped_in_blocks", "block_usage", "token_occupancy", "recompute_query_tokens", "recompute_hit_tokens", "recompute_hit_rate", "contiguous_declared_blocks", "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s", "prefill_tokens_per_s", "swap_bytes_per_s", "pinned_blocks")
+    __slots__ = ("executor_id", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots", "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks", "copy_on_write_copies", "evictions", "block_size", "swapped_out_blocks", "swapped_in_blocks", "block_usage", "token_occupancy", "recompute_query_tokens", "recompute_hit_tokens", "recompute_hit_rate", "contiguous_declared_blocks", "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s", "prefill_tokens_per_s", "swap_bytes_per_s", "pinned_blocks", "kv_groups")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +261,7 @@ class PoolAccounting(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     SWAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     total_blocks: int
     free_blocks: int
@@ -299,7 +302,24 @@ class PoolAccounting(_message.Message):
     prefill_tokens_per_s: float
     swap_bytes_per_s: float
     pinned_blocks: int
-    def __init__(self, executor_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., live_tokens: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., logical_blocks: _Optional[int] = ..., physical_blocks: _Optional[int] = ..., sharing_saved_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., contiguous_equivalent_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., copy_on_write_copies: _Optional[int] = ..., evictions: _Optional[int] = ..., block_size: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ..., block_usage: _Optional[float] = ..., token_occupancy: _Optional[float] = ..., recompute_query_tokens: _Optional[int] = ..., recompute_hit_tokens: _Optional[int] = ..., recompute_hit_rate: _Optional[float] = ..., contiguous_declared_blocks: _Optional[int] = ..., preempt_recompute_tokens: _Optional[int] = ..., preempt_swap_bytes: _Optional[int] = ..., preempt_cost_s: _Optional[float] = ..., preempt_saved_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., swap_bytes_per_s: _Optional[float] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroupAccounting]
+    def __init__(self, executor_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., live_tokens: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., logical_blocks: _Optional[int] = ..., physical_blocks: _Optional[int] = ..., sharing_saved_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., contiguous_equivalent_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., copy_on_write_copies: _Optional[int] = ..., evictions: _Optional[int] = ..., block_size: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ..., block_usage: _Optional[float] = ..., token_occupancy: _Optional[float] = ..., recompute_query_tokens: _Optional[int] = ..., recompute_hit_tokens: _Optional[int] = ..., recompute_hit_rate: _Optional[float] = ..., contiguous_declared_blocks: _Optional[int] = ..., preempt_recompute_tokens: _Optional[int] = ..., preempt_swap_bytes: _Optional[int] = ..., preempt_cost_s: _Optional[float] = ..., preempt_saved_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., swap_bytes_per_s: _Optional[float] = ..., pinned_blocks: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupAccounting, _Mapping]]] = ...) -> None: ...
+
+class KvGroupAccounting(_message.Message):
+    __slots__ = ("window", "used_blocks", "logical_blocks", "full_attention_blocks", "window_saved_blocks", "max_seq_blocks")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FULL_ATTENTION_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SAVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    used_blocks: int
+    logical_blocks: int
+    full_attention_blocks: int
+    window_saved_blocks: int
+    max_seq_blocks: int
+    def __init__(self, window: _Optional[int] = ..., used_blocks: _Optional[int] = ..., logical_blocks: _Optional[int] = ..., full_attention_blocks: _Optional[int] = ..., window_saved_blocks: _Optional[int] = ..., max_seq_blocks: _Optional[int] = ...) -> None: ...
 
 class AccountingRequest(_message.Message):
     __slots__ = ("executor_id",)

@@ -103,10 +103,3 @@ def test_recompute_swap_and_fork(hybrid, oracle, ckpt):
     assert child.token_ids[start:] == oracle(ckpt).greedy(child.token_ids[:start], NEW - 21)
     for s in (a, b, child):
         plan.free(s)
-
-
-def test_hybrid_layout_refuses_a_memory_service():
-    from executor_service.config import ExecutorConfig
-
-    with pytest.raises(ValueError, match="per-layer"):
-        ExecutorConfig(model="x", kv_layout="hybrid", memory_address="127.0.0.1:1")

@@ -1,0 +1,109 @@
+"""Sliding-window models served with a table per KV group (the executor's
+``kv_layout`` "hybrid", kept by the memory service's group allocator): every
+completion token-exact against transformers' ``generate`` (fp32) through the
+whole stack — long prompts in prefill chunks, a prefix hit, n=2 forks,
+preemption by recompute and by swap — while the sliding groups really give
+back what the window passed (GetAccounting's per-group figures)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from gateway_harness import generate, start_stack
+from oracle import Oracle
+
+from kvpager.v1 import memory_pb2
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+WINDOW = 32
+BS = 4
+BOUND = -(-WINDOW // BS) + 1  # the most blocks a sequence holds in a sliding group between decode steps
+FAMILIES = ("gemma2", "mistral")  # alternating local / global layers (2 groups), all sliding (1 group)
+HYBRID = {"kv_layout": "hybrid"}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    from kvpager_tools.demo_model import build_demo_model
+
+    path = str(build_demo_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param,
+                                vocab_size=320, max_position_embeddings=256, sliding_window=WINDOW, seed=9))
+    return request.param, path, Oracle(path, fixed_length=True)
+
+
+def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+async def _executor_accounting(stack):
+    snap = await stack.mem.GetAccounting(memory_pb2.AccountingRequest())
+    (ex,) = snap.executors
+    return ex
+
+
+async def test_window_frees_chunked_prefix_hit_and_n2(family):
+    name, model, oracle = family
+    stack = await start_stack(model, num_blocks=400, block_size=BS, max_batch_tokens=48, executor_kw=HYBRID)
+    try:
+        groups = [g.window for g in (await _executor_accounting(stack)).kv_groups]
+        assert groups == ([0, WINDOW] if name == "gemma2" else [WINDOW]), groups
+        # One sequence of 4x the window, prefilled in 48-token chunks, then decoding: each sliding
+        # group holds at most ceil(W / block_size) + 1 of its blocks, a full group all of them.
+        prompt = _prompts(1, 4 * WINDOW, 4 * WINDOW + 1, seed=3)[0]
+        task = asyncio.ensure_future(generate(stack.gw, prompt, max_tokens=40, ignore_eos=True))
+        seen = []
+        while not task.done():
+            ex = await _executor_accounting(stack)
+            # past its prompt by a decode step: its tables cover more than the prompt's blocks
+            if ex.num_sequences == 1 and ex.kv_groups[0].full_attention_blocks > len(prompt) // BS:
+                seen.append(ex)
+            await asyncio.sleep(0.01)
+        res = await task
+        assert res[0][0] == oracle.greedy(prompt, 40)
+        assert seen, "no accounting snapshot while it decoded"
+        for ex in seen:
+            full_blocks = ex.kv_groups[0].full_attention_blocks
+            for g in ex.kv_groups:
+                assert g.full_attention_blocks == full_blocks
+                if g.window:
+                    assert g.max_seq_blocks <= BOUND, (g, BOUND)
+                    assert g.window_saved_blocks == full_blocks - g.logical_blocks >= full_blocks - BOUND
+                else:
+                    assert g.max_seq_blocks == g.logical_blocks == full_blocks
+        # Concurrent long prompts (3-4x the window), exact.
+        prompts = _prompts(3, 3 * WINDOW, 4 * WINDOW, seed=1)
+        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=40, ignore_eos=True) for p in prompts))
+        for p, res in zip(prompts, results):
+            assert res[0][0] == oracle.greedy(p, 40)
+        # The same 96-token prefix again: a hit in every group (the sliding ones hold its last window).
+        again = prompts[0][: 3 * WINDOW] + [11, 12, 13]
+        res = await generate(stack.gw, again, max_tokens=40, ignore_eos=True)
+        assert res[0][0] == oracle.greedy(again, 40)
+        assert res[0][3].cached_prompt_tokens == 3 * WINDOW
+        res = await generate(stack.gw, prompts[1], max_tokens=40, n=2, ignore_eos=True)
+        assert res[0][0] == res[1][0] == oracle.greedy(prompts[1], 40)
+        t = await stack.wait_idle()
+        assert t.used_blocks == 0
+    finally:
+        await stack.stop()
+
+
+@pytest.mark.parametrize("mode,swap_min_tokens", [("recompute", 10**6), ("swap", 1)])
+async def test_preemption_keeps_grouped_outputs_exact(family, mode, swap_min_tokens):
+    name, model, oracle = family
+    # 4 requests growing to ~130 tokens on a pool too small for all of them: someone is preempted.
+    stack = await start_stack(model, num_blocks=48 if name == "gemma2" else 28, block_size=BS, swap_blocks=160,
+                              swap_min_tokens=swap_min_tokens, max_batch_tokens=64, executor_kw=HYBRID)
+    try:
+        prompts = _prompts(4, 2 * WINDOW, 3 * WINDOW, seed=2)
+        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=40, ignore_eos=True) for p in prompts))
+        for p, res in zip(prompts, results):
+            assert res[0][0] == oracle.greedy(p, 40)
+        t = await stack.wait_idle()
+        assert getattr(t, f"preemptions_{mode}") > 0, t
+    finally:
+        await stack.stop()
