@@ -227,7 +227,7 @@ def check_invariants(kv: ExecutorKV, seqs: dict[int, Sequence]) -> list[str]:
                 bad.append(f"seq {seq_id}: {len(seq.blocks)} blocks for {seq.num_computed} tokens")
         elif seq.blocks:
             bad.append(f"seq {seq_id} is {seq.status.value} but holds device blocks")
-        if seq.status is SeqStatus.SWAPPED and len(seq.swap_blocks) != _cdiv(seq.num_computed, bs):
+        if not kv.grouped and seq.status is SeqStatus.SWAPPED and len(seq.swap_blocks) != _cdiv(seq.num_computed, bs):
             bad.append(f"seq {seq_id}: {len(seq.swap_blocks)} swap blocks for {seq.num_computed} tokens")
         if seq.num_computed > seq.num_tokens:
             bad.append(f"seq {seq_id}: computed {seq.num_computed} > {seq.num_tokens} tokens")
