@@ -20,7 +20,7 @@ TIER_CPU = "cpu"
 TIER_CODES = {TIER_DEVICE: "d", TIER_CPU: "c"}
 # Spec fields an executor record carries besides incarnation/lease/batch.
 SPEC_FIELDS = ("pool_generation", "address", "num_blocks", "block_size", "num_swap_blocks", "model_id", "dtype",
-               "max_model_len", "vocab_size", "adapter")
+               "max_model_len", "vocab_size", "adapter", "kv_group_windows")
 CLEARED_OP = b"C"
 
 

@@ -18,7 +18,9 @@ def namespace_of(spec: ExecutorSpec) -> Namespace:
 
 def spec_fields(spec: ExecutorSpec) -> dict:
     """The record fields (SPEC_FIELDS) of an executor spec."""
-    return {name: getattr(spec, name) for name in SPEC_FIELDS}
+    out = {name: getattr(spec, name) for name in SPEC_FIELDS}
+    out["kv_group_windows"] = ",".join(map(str, spec.kv_group_windows))  # a table per KV group: their windows
+    return out
 
 
 def spec_from_record(executor_id: str, rec: dict[str, str]) -> ExecutorSpec:
@@ -26,7 +28,10 @@ def spec_from_record(executor_id: str, rec: dict[str, str]) -> ExecutorSpec:
     spec = ExecutorSpec(executor_id=executor_id, num_blocks=0, block_size=0, incarnation=int(rec["incarnation"]))
     for name in SPEC_FIELDS:
         if name in rec:
-            setattr(spec, name, int(rec[name]) if name in _INT_FIELDS else rec[name])
+            if name == "kv_group_windows":
+                spec.kv_group_windows = tuple(int(w) for w in rec[name].split(",") if w)
+            else:
+                setattr(spec, name, int(rec[name]) if name in _INT_FIELDS else rec[name])
     if spec.num_blocks <= 0 or spec.block_size <= 0:
         raise ValueError("record without a pool size")
     return spec

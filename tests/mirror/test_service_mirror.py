@@ -316,3 +316,43 @@ async def test_reader_agrees_with_score_prefix_rpc(redis_proc, n):
     finally:
         await c.close()
         await server.stop(0)
+
+
+async def test_restart_recovery_keeps_prefix_hits_of_a_grouped_sliding_executor(redis_proc):
+    """An executor with a table per KV group (a full and a sliding group of
+    window 8): its registration (the groups) and every group's cached blocks
+    (each group chained under its own root) come back from Redis, so the
+    same prompt after a restart is a hit across both groups."""
+    fake = FakeExecutor(41, 2)
+    server, addr = await serve_fake(fake)
+    config = MemoryConfig(port=free_port(), redis_url=redis_proc.url, confirm_timeout_s=0.5)
+    info = pool_info("g0", 41, addr, pool_generation=2)
+    info.kv_group_windows[:] = [0, 8]
+    prompt = list(range(1, 34))  # 4x the window (+1): 8 full blocks per group
+    first = await MemoryServer(config).start()
+    c = Client(first.address)
+    await c.register(info)
+    await c.prefill("g0", prompt, free=True)
+    before = (await c.snapshot()).executors[0]
+    assert [g.window for g in before.kv_groups] == [0, 8] and before.cached_blocks == 16
+    await first.mirror.sync()
+    await c.close()
+    await first.stop(0)
+
+    fake.last_step_id = 1
+    second = await MemoryServer(config).start()
+    c = Client(second.address)
+    try:
+        (listed,) = (await c.stub.ListExecutors(memory_pb2.ListExecutorsRequest())).executors
+        assert list(listed.kv_group_windows) == [0, 8]
+        after = (await c.snapshot()).executors[0]
+        assert [g.window for g in after.kv_groups] == [0, 8] and after.cached_blocks == 16
+        plan = await c.prefill("g0", prompt)
+        ep = plan.executor_plans[0]
+        assert list(unpack_i32(ep.started_cached_tokens)) == [32]  # the longest hit both groups hold
+        assert len(ep.group_tables) == 1
+        assert not second.state.manager.check_invariants()
+    finally:
+        await c.close()
+        await second.stop(0)
+        await server.stop(0)
