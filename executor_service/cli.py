@@ -29,8 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
                    help="auto: kvpager's own Llama-family forward where it fits, else transformers' model code")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-layout", choices=KV_LAYOUTS, default="per-layer",
-                   help="per-layer: one block table for all layers; hybrid: a table per KV group (sliding groups free the blocks their window passed)")
+    p.add_argument("--kv-layout", choices=KV_LAYOUTS, default="auto",
+                   help="per-layer: one block table for all layers; hybrid: a table per KV group (sliding groups "
+                        "free the blocks their window passed); auto (default): hybrid for a model with "
+                        "sliding-window layers, else per-layer")
     p.add_argument("--grace-s", type=float, default=5.0)
     from kvpager.security import add_security_arguments
     from kvpager.telemetry import add_observability_arguments

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 MODEL_IMPLS = ("auto", "kvpager", "transformers")
-KV_LAYOUTS = ("per-layer", "hybrid")  # executor_service.kv_layout
+KV_LAYOUTS = ("per-layer", "hybrid", "auto")  # executor_service.kv_layout
 
 
 @dataclass(slots=True)
@@ -43,7 +43,8 @@ class ExecutorConfig:
     attention_backend: str = "auto"         # auto: triton on CUDA, cpu (C++ kernel) on CPU, else torch
     model_impl: str = "auto"                # auto: our Llama forward where it fits, else transformers' code
     max_model_len: int | None = None        # default: the model's max_position_embeddings
-    kv_layout: str = "per-layer"            # per-layer | hybrid (a table per KV group; executor_service.kv_layout)
+    kv_layout: str = "per-layer"            # per-layer | hybrid (a table per KV group) | auto (the CLI's default:
+                                            # hybrid for sliding-window models); executor_service.kv_layout
     grace_s: float = 5.0                    # graceful-stop window
     register_backoff_max_s: float = 5.0     # registration retry ceiling
     tls: TlsConfig | None = None            # serve TLS (mTLS with require_client_auth); None = insecure

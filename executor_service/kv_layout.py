@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvpager.kv_spec import KvGroupSpec, group_layers
 
-LAYOUTS = ("per-layer", "hybrid")
+LAYOUTS = ("per-layer", "hybrid", "auto")  # auto: hybrid for a model with sliding-window layers, else per-layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,8 @@ def make_layout(name: str, windows: list[int | None]) -> KvLayout:
     if name not in LAYOUTS:
         raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {name!r}")
     num_layers = len(windows)
+    if name == "auto":
+        name = "hybrid" if any(w is not None for w in windows) else "per-layer"
     if name == "per-layer":
         # One table for every layer: a table group with no window (it keeps every block).
         return KvLayout(name, (KvGroupSpec(None, tuple(range(num_layers))),), (0,) * num_layers,

@@ -687,7 +687,8 @@ async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 
     for i in range(executors):
         exs.append(await start_executor_server(ExecutorConfig(
             model=model, executor_id=f"executor-{i}", memory_address=memory.address, num_blocks=num_blocks,
-            block_size=block_size, swap_blocks=swap_blocks, metrics_port=mport, **(executor_kw or {}))))
+            block_size=block_size, swap_blocks=swap_blocks, metrics_port=mport,
+            **{"kv_layout": "auto", **(executor_kw or {})})))  # auto: as `kvpager up` serves (the CLI's default)
     engine_kw.setdefault("executor_refresh_s", 0.2)
     http_config = HttpConfig(**{"port": 0, **http}) if http is not None else None
     gateway = await GatewayServer(GatewayConfig(model=model, memory_address=memory.address, port=0,

@@ -90,8 +90,10 @@ def estimate_preemption(victim: Sequence, block_size: int, swap_free_blocks: int
     taken = set(private[::-1][:taken_blocks])
     max_hits = (max(victim.num_tokens, 1) - 1) // block_size  # the last token is always recomputed
     hits = 0
-    for i, b in enumerate(blocks[:min(max_hits, victim.num_computed // block_size)]):
-        if b.block_hash is None or i in taken:
+    # A table per KV group: group 0's table by position (a hole, where a window passed, ends the estimate).
+    by_position = victim.kv_groups.tables[0] if victim.kv_groups is not None else blocks
+    for i, b in enumerate(by_position[:min(max_hits, victim.num_computed // block_size)]):
+        if b is None or b.block_hash is None or (by_position is blocks and i in taken):
             break
         hits += 1
     recompute_tokens = max(0, victim.num_computed - hits * block_size)

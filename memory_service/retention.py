@@ -48,14 +48,18 @@ class PinBudget:
         cap = self.quota.cap(num_pool_blocks) if self.quota is not None else 0
         until = self.clock() + seq.retention_s
         n = 0
-        for block in seq.blocks[:seq.num_prompt_tokens // block_size]:
-            if block.block_hash is None:
-                break  # not cached: nothing after it can be hit either
-            if block not in pins and len(pins) >= cap:
-                break
-            block.retain_until = max(block.retain_until, until)
-            pins[block] = block.retain_until
-            n += 1
+        # A table per KV group: each group's prompt blocks (holes: blocks a sliding window passed).
+        for table in (seq.kv_groups.tables if seq.kv_groups is not None else (seq.blocks,)):
+            for block in table[:seq.num_prompt_tokens // block_size]:
+                if block is None:
+                    continue
+                if block.block_hash is None:
+                    break  # not cached: nothing after it can be hit either
+                if block not in pins and len(pins) >= cap:
+                    return n
+                block.retain_until = max(block.retain_until, until)
+                pins[block] = block.retain_until
+                n += 1
         return n
 
     def forget(self, executor_id: str) -> None:

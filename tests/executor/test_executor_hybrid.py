@@ -103,3 +103,16 @@ def test_recompute_swap_and_fork(hybrid, oracle, ckpt):
     assert child.token_ids[start:] == oracle(ckpt).greedy(child.token_ids[:start], NEW - 21)
     for s in (a, b, child):
         plan.free(s)
+
+
+def test_auto_layout_and_the_pool_length_it_allows():
+    from executor_service.kv_layout import make_layout, pool_tokens
+
+    assert make_layout("auto", [None, None]).name == "per-layer"
+    gemma = make_layout("auto", [32, None, 32, None])  # alternating: a full and a sliding group of 2 layers
+    assert gemma.name == "hybrid" and [g.window for g in gemma.groups] == [None, 32]
+    assert pool_tokens(make_layout("per-layer", [32, None]), 100, 4) == 400
+    # A sliding group needs its window's blocks and the one written (+1 slack): 8 + 2; the full group the rest.
+    assert pool_tokens(gemma, 100, 4) == (100 - 10) * 4
+    assert pool_tokens(make_layout("auto", [32, 32]), 10, 4) == 1 << 30  # all sliding: any length
+    assert pool_tokens(make_layout("auto", [32, 32]), 9, 4) == 0         # not even one window

@@ -3,8 +3,9 @@ a Mistral with ``sliding_window: 32`` was capped at 32 tokens and refused a
 100-token prompt). Now the limit is the model's own and every completion is
 token-exact against transformers' ``generate``: long prompts in prefill
 chunks, a prefix hit, n=2 and preemption by recompute and by swap — every
-block back afterwards. (The served stack keeps every block of a sliding
-layer: the per-layer KV layout.)"""
+block back afterwards. Here with the per-layer KV layout (one table, every
+block of a sliding layer kept); the default for sliding models, a table per
+KV group, is tests/gateway/test_gateway_hybrid.py."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from oracle import Oracle
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 WINDOW = 32
+PER_LAYER = {"kv_layout": "per-layer"}
 FAMILIES = {"mistral": {}, "gemma2": {"num_layers": 3}}
 
 
@@ -38,7 +40,8 @@ def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 
 async def test_long_prompts_chunked_prefix_hit_and_n2(family):
     model, oracle = family
-    stack = await start_stack(model, num_blocks=160, block_size=4, max_batch_tokens=48)  # 100 tokens: 3 chunks
+    stack = await start_stack(model, num_blocks=160, block_size=4, max_batch_tokens=48,  # 100 tokens: 3 chunks
+                              executor_kw=PER_LAYER)
     try:
         assert stack.gateway.engine.executors.limits.max_model_len == 256  # the model's, not the window
         prompts = _prompts(3, 3 * WINDOW, 4 * WINDOW, seed=1)
@@ -62,7 +65,7 @@ async def test_preemption_keeps_sliding_outputs_exact(family, mode, swap_min_tok
     model, oracle = family
     # 48 blocks of 4 for 4 requests that each grow to ~120 tokens: someone is preempted.
     stack = await start_stack(model, num_blocks=48, block_size=4, swap_blocks=160, swap_min_tokens=swap_min_tokens,
-                              max_batch_tokens=64)
+                              max_batch_tokens=64, executor_kw=PER_LAYER)
     try:
         prompts = _prompts(4, 2 * WINDOW, 3 * WINDOW, seed=2)
         results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=40, ignore_eos=True) for p in prompts))
