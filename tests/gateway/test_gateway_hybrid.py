@@ -1,4 +1,4 @@
-"""Sliding-window models served with a table per KV group (the executor's
+"""Sliding-window models (Gemma 2, Qwen2 with max_window_layers, Mistral) served with a table per KV group (the executor's
 ``kv_layout`` "hybrid", kept by the memory service's group allocator): every
 completion token-exact against transformers' ``generate`` (fp32) through the
 whole stack — long prompts in prefill chunks, a prefix hit, n=2 forks,
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 WINDOW = 32
 BS = 4
 BOUND = -(-WINDOW // BS) + 1  # the most blocks a sequence holds in a sliding group between decode steps
-FAMILIES = ("gemma2", "mistral")  # alternating local / global layers (2 groups), all sliding (1 group)
+# alternating local / global layers, sliding above max_window_layers (2 groups each), all sliding (1 group)
+FAMILIES = ("gemma2", "qwen2", "mistral")
 HYBRID = {"kv_layout": "hybrid"}
 
 
@@ -51,7 +52,7 @@ async def test_window_frees_chunked_prefix_hit_and_n2(family):
     stack = await start_stack(model, num_blocks=400, block_size=BS, max_batch_tokens=48)
     try:
         groups = [g.window for g in (await _executor_accounting(stack)).kv_groups]
-        assert groups == ([0, WINDOW] if name == "gemma2" else [WINDOW]), groups
+        assert groups == ([WINDOW] if name == "mistral" else [0, WINDOW]), groups
         # One sequence of 4x the window, prefilled in 48-token chunks, then decoding: each sliding
         # group holds at most ceil(W / block_size) + 1 of its blocks, a full group all of them.
         prompt = _prompts(1, 4 * WINDOW, 4 * WINDOW + 1, seed=3)[0]
@@ -97,7 +98,7 @@ async def test_window_frees_chunked_prefix_hit_and_n2(family):
 async def test_preemption_keeps_grouped_outputs_exact(family, mode, swap_min_tokens):
     name, model, oracle = family
     # 4 requests growing to ~130 tokens on a pool too small for all of them: someone is preempted.
-    stack = await start_stack(model, num_blocks=48 if name == "gemma2" else 28, block_size=BS, swap_blocks=160,
+    stack = await start_stack(model, num_blocks=28 if name == "mistral" else 48, block_size=BS, swap_blocks=160,
                               swap_min_tokens=swap_min_tokens, max_batch_tokens=64, executor_kw=HYBRID)
     try:
         prompts = _prompts(4, 2 * WINDOW, 3 * WINDOW, seed=2)
