@@ -1,5 +1,6 @@
-"""Sliding-window models (Gemma 2, Qwen2 with max_window_layers, Mistral) served with a table per KV group (the executor's
-``kv_layout`` "hybrid", kept by the memory service's group allocator): every
+"""Sliding-window models (Gemma 2, Qwen2 with max_window_layers, Mistral)
+served with a table per KV group (the executor's ``kv_layout`` "hybrid",
+kept by the memory service's group allocator): every
 completion token-exact against transformers' ``generate`` (fp32) through the
 whole stack — long prompts in prefill chunks, a prefix hit, n=2 forks,
 preemption by recompute and by swap — while the sliding groups really give
