@@ -139,8 +139,13 @@ class GroupedExecutorKV(ExecutorKV):
 
     def commit(self, seq: Sequence, k: int) -> None:
         gs = self._gs(seq)
+        dropped = self.gkv.num_dropped
         self.gkv.commit(gs, k, known=seq.num_known, reader=seq.num_computed)
-        self._sync(seq, gs)
+        if self.gkv.num_dropped != dropped:
+            self._sync(seq, gs)
+        else:  # the window passed no block: the flat block list stands
+            seq.num_computed = gs.num_computed
+            seq.num_cached_blocks = gs.num_indexed[0]
 
     def index_known(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:

@@ -90,6 +90,7 @@ class GroupedKV:
         self.block_size = pool.block_size
         self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) since the last take_copies
         self._pins: list[Block] = []               # copy sources, one reference each, until take_copies
+        self.num_dropped = 0  # table entries the windows have given up so far (a shared block counts per holder)
 
     # ---- arithmetic -----------------------------------------------------------
 
@@ -235,9 +236,16 @@ class GroupedKV:
                         parent = hashes[i - 1] if i else None
                         self.pool.cache_block(block, hashes[i], seq.token_ids[i * bs:(i + 1) * bs], parent, i)
                 seq.num_indexed[g] = n_full
-            passed = [i for i in range(self.first_needed(g, c if reader is None else reader))
-                      if table[i] is not None]
+            # The blocks held are one run [first held, len): holes only ever lie below the window
+            # (frees, admission, swaps restore in place), so scan down from the window's edge.
+            i = self.first_needed(g, c if reader is None else reader) - 1
+            passed = []
+            while i >= 0 and table[i] is not None:
+                passed.append(i)
+                i -= 1
+            passed.reverse()  # freed in table order (the free queue's order)
             if passed:
+                self.num_dropped += len(passed)
                 freed += self.pool.free([table[i] for i in passed])
                 for i in passed:
                     table[i] = None
