@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
-
 
 HELP = "run the gateway (client API + continuous batching)"
 API_KEY_ENV = "KVPAGER_API_KEY"
@@ -70,6 +68,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True)
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """A model directory that is not one, ports someone else holds: reported now, naming the flag.
+
+    Raises:
+        UsageError: the first check that fails.
+    """
+    from kvpager.preflight import check_model_dir, check_port_free
+
+    check_model_dir(args.model)  # the gateway reads its tokenizer and generation config
+    check_port_free(args.host, args.port, flag="--port")
+    check_port_free(args.metrics_host, args.metrics_port, flag="--metrics-port")
+    if not args.no_http:
+        check_port_free(args.http_host or args.host, args.http_port, flag="--http-port")
+
+
 def config_from_args(args: argparse.Namespace):
     import os
     from pathlib import Path
@@ -78,7 +91,6 @@ def config_from_args(args: argparse.Namespace):
     from gateway.http.server import HttpConfig
     from gateway.params import RequestCaps
     from gateway.service import GatewayConfig
-
     from kvpager.security import security_from_args
 
     security = security_from_args(args)
@@ -115,22 +127,26 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpager.telemetry import configure_logging
     from gateway.service import GatewayServer
+    from kvpager.preflight import BindError, report
+    from kvpager.telemetry import configure_logging
 
     configure_logging("gateway", args.log_level, log_format=args.log_format)
     try:
+        preflight(args)
         config = config_from_args(args)
-    except ValueError as exc:  # inconsistent flags (e.g. a TLS cert without its key)
-        print(f"kvpager gateway: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # a wrong model path, a port in use, a TLS cert without its key ...
+        return report("kvpager gateway", exc)
 
     async def main() -> None:
         server = GatewayServer(config)
         await server.start()
         await server.serve_until_signal()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except BindError as exc:  # taken between the check and the bind
+        return report("kvpager gateway", exc)
     return 0
 
 

@@ -28,32 +28,49 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         token: the shared secret; must be non-empty.
         open_methods: full method names ("/kvpager.v1.MemoryService/GetAccounting")
             that need no token.
+        read_only_token: a second secret accepted (besides ``token``) on
+            ``read_only_methods`` only: an operator's view that cannot mutate.
+        read_only_methods: the methods ``read_only_token`` opens.
     """
 
-    def __init__(self, token: str, open_methods: frozenset[str] = frozenset()) -> None:
+    def __init__(self, token: str, open_methods: frozenset[str] = frozenset(), *,
+                 read_only_token: str | None = None, read_only_methods: frozenset[str] = frozenset()) -> None:
         if not token:
             raise ValueError("TokenAuth needs a non-empty token")
-        self._expected = f"Bearer {token}".encode()
+        if read_only_token is not None and (not read_only_token or read_only_token == token):
+            raise ValueError("the read-only token must be non-empty and differ from the admin token")
+        self._expected = _bearer(token)
+        self._read_only = _bearer(read_only_token) if read_only_token else None
         self.open_methods = frozenset(open_methods)
+        self.read_only_methods = frozenset(read_only_methods)
 
     def is_open(self, method: str) -> bool:
         return method in self.open_methods or method.startswith(_ALWAYS_OPEN)
 
-    def is_authorized(self, metadata) -> bool:
+    def is_authorized(self, metadata, method: str = "") -> bool:
+        """Whether the call's ``authorization`` carries the token ``method`` needs."""
         for key, value in metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else bytes(value)
                 # Constant time, so the comparison leaks nothing about the secret.
-                return hmac.compare_digest(given, self._expected)
+                if hmac.compare_digest(given, self._expected):
+                    return True
+                return (self._read_only is not None and method in self.read_only_methods
+                        and hmac.compare_digest(given, self._read_only))
         return False
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or self.is_open(handler_call_details.method):
+        method = handler_call_details.method
+        if handler is None or self.is_open(method):
             return handler
-        if self.is_authorized(handler_call_details.invocation_metadata):
+        if self.is_authorized(handler_call_details.invocation_metadata, method):
             return handler
         return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+
+def _bearer(token: str) -> bytes:
+    return f"Bearer {token}".encode()
 
 
 def _rejecting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:

@@ -22,7 +22,7 @@ SERVICES = {
 
 # tooling subcommand -> module exposing register(subparsers)
 TOOLS = {
-    "up": "kvpager_tools.stack",
+    "up": "kvpager_tools.up",
     "demo": "kvpager_tools.demo",
     "blocks": "kvpager_tools.blocks",
     "demo-model": "kvpager_tools.demo_model",

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from kvpager.security import (ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, SecurityConfig, add_security_arguments,
-                              memory_auth, security_from_args)
+from kvpager.security import (ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, READ_ONLY_TOKEN_ENV, SecurityConfig,
+                              add_security_arguments, memory_auth, security_from_args)
 
 
 def parse(argv, **kw):
@@ -40,9 +40,12 @@ def test_tokens_never_in_repr_or_argv():
     assert "s3cret" not in repr(sec)
     for role in ("memory", "executor", "gateway"):
         assert not any("s3cret" in a for a in sec.child_args(role))
-    assert sec.child_env() == {AUTH_TOKEN_ENV: "s3cret-a", ADMIN_TOKEN_ENV: "s3cret-b"}
+    unset = {READ_ONLY_TOKEN_ENV: "", **{env + "_FILE": "" for env in (AUTH_TOKEN_ENV, ADMIN_TOKEN_ENV,
+                                                                       READ_ONLY_TOKEN_ENV)}}
+    assert sec.child_env() == {AUTH_TOKEN_ENV: "s3cret-a", ADMIN_TOKEN_ENV: "s3cret-b", **unset}
     assert sec.child_args("memory") == ["--open-read-only"] and sec.child_args("gateway") == []
-    assert SecurityConfig().child_env() == {AUTH_TOKEN_ENV: "", ADMIN_TOKEN_ENV: ""}  # unset inherited ones
+    # inherited ones unset, files included: what the parent chose is what the child uses
+    assert SecurityConfig().child_env() == {AUTH_TOKEN_ENV: "", ADMIN_TOKEN_ENV: "", **unset}
 
 
 def test_inconsistent_flags_are_refused(dev_certs):

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from kvpager_tools.cli import build_parser
-from kvpager_tools.stack import Stack, StackConfig, StackError, build_children, config_from_args
+from kvpager_tools.stack import Stack, StackConfig, StackError, build_children
+from kvpager_tools.up import config_from_args
 
 PY = "PY"  # stands in for sys.executable in the expected command lines
 
@@ -198,7 +199,7 @@ def test_stack_end_to_end_demo_model(tmp_path, monkeypatch):
 
         from rich.console import Console
 
-        from kvpager_tools.stack import _print_ready
+        from kvpager_tools.up import _print_ready
 
         out = io.StringIO()
         _print_ready(stack, Console(file=out, width=200))
