@@ -46,9 +46,11 @@ __all__ = ["DEMO_NUM_BLOCKS", "ENTRY_POINTS", "ROLES", "ChildSpec", "InProcessSt
 class StackError(RuntimeError):
     """A child died or never became SERVING during start-up."""
 
-    def __init__(self, child: str, reason: str, log_path: Path | None, log_tail: str) -> None:
+    def __init__(self, child: str, reason: str, log_path: Path | None, log_tail: str, *,
+                 usage: bool = False) -> None:
         super().__init__(f"{child}: {reason}")
         self.child, self.reason, self.log_path, self.log_tail = child, reason, log_path, log_tail
+        self.usage = usage  # the operator's input is wrong (a port in use): `kvpager up` exits 2
 
 
 async def wait_routed(gateway_address: str, num_executors: int, *, tls=None, token: str | None = None,
@@ -167,6 +169,11 @@ class Stack:
         scheme = "https" if config.security is not None and config.security.tls_cert else "http"
         return f"{scheme}://{_join(host, port)}{path}"
 
+    @property
+    def secrets_dir(self) -> Path:
+        """Where generated tokens are written (``stack_secrets``)."""
+        return self.log_dir / "secrets"
+
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
@@ -257,6 +264,11 @@ class Stack:
         self.config = self.config.with_ports_filled()
         self.log_dir = Path(self.config.log_dir or tempfile.mkdtemp(prefix="kvpager-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.generate_admin_token:
+            from kvpager_tools.stack_secrets import with_generated_tokens
+
+            self.config = dataclasses.replace(self.config, security=with_generated_tokens(
+                self.config.security, self.config.host, self.secrets_dir))
         self.children = build_children(self.config)
         self._check_ports_free()
         tiers = [[c for c in self.children if c.role == role] for role in ROLES]
@@ -274,11 +286,17 @@ class Stack:
 
     def _check_ports_free(self) -> None:
         # Otherwise the health wait could find another process's server there.
-        for child in self.children:
-            http = {"gateway": self.config.http_port, "memory": self.config.blockmap_port}.get(child.role)
-            for port in (int(child.address.rsplit(":", 1)[1]), child.metrics_port, http):
-                if port is not None and _accepts(child.address.rsplit(":", 1)[0], port):
-                    raise StackError(child.name, f"port {port} is already in use (0 picks a free one)", None, "")
+        config = self.config
+        flags = {config.memory_port: "--memory-port", config.gateway_port: "--gateway-port",
+                 config.http_port: "--http-port", config.blockmap_port: "--blockmap-port"}
+        host = self.children[0].address.rsplit(":", 1)[0]
+        for port in config.ports():
+            if port is not None and _accepts(host, port):
+                flag = flags.get(port) or ("--executor-base-port" if config.executor_base_port <= port <
+                                           config.executor_base_port + config.num_executors else "--metrics-base-port")
+                owner = next((c.name for c in self.children if c.address.endswith(f":{port}")), "kvpager up")
+                raise StackError(owner, f"{flag}: port {port} is already in use (0 picks a free one)", None, "",
+                                 usage=True)
 
     def _spawn(self, child: ChildSpec) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
@@ -358,20 +376,28 @@ class Stack:
 
     def stop(self) -> dict[str, int]:
         """SIGTERM per tier in reverse start order (gateway, executors, memory),
-        each tier waited up to ``grace_s``, then SIGKILL. Returns exit codes."""
+        each tier waited up to ``grace_s``, then SIGKILL. Returns exit codes.
+
+        The gateway's SIGTERM is the drain: it stops admitting at once, lets
+        requests in flight finish for ``drain_timeout_s`` (its ``--grace-s``),
+        then cancels the rest (their blocks are freed while the executors and
+        the memory service still run), so its tier waits that much longer."""
         for role in reversed(ROLES):
             live = [self.procs[c.name] for c in self.children
                     if c.role == role and c.name in self.procs and self.procs[c.name].poll() is None]
             for proc in live:
                 proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.config.grace_s
+            wait_s = self.config.grace_s + (self.config.drain_timeout_s if role == "gateway" else 0.0)
+            deadline = time.monotonic() + wait_s
             for proc in live:
                 try:
                     proc.wait(max(deadline - time.monotonic(), 0))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        return {name: proc.returncode for name, proc in self.procs.items()}
+        # In stop order (gateway, executors, memory).
+        return {c.name: self.procs[c.name].returncode for role in reversed(ROLES) for c in self.children
+                if c.role == role and c.name in self.procs}
 
     def __enter__(self) -> Stack:
         return self.start()

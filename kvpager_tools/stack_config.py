@@ -25,7 +25,8 @@ class StackConfig:
     """What ``kvpager up`` starts. Ports are fixed unless ``on_free_ports``.
 
     Metrics ports, when ``metrics_base_port`` is set: memory = base,
-    gateway = base + 1, executor i = base + 2 + i.
+    gateway = base + 1, executor i = base + 2 + i, and `kvpager up`'s
+    supervisor base + 2 + num_executors.
     """
 
     model: str | None = None              # checkpoint dir; None = the demo model (built on first use)
@@ -50,6 +51,8 @@ class StackConfig:
     log_level: str = "INFO"
     ready_timeout_s: float = 180.0        # per tier (memory, executors, gateway)
     grace_s: float = 10.0                 # per tier on stop, before SIGKILL
+    drain_timeout_s: float = 30.0         # on stop, the gateway finishes in-flight requests this long first
+    generate_admin_token: bool = False    # no admin token given: make one (kvpager_tools.stack_secrets)
     python: str = sys.executable
     extra_args: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # role -> extra flags
     security: SecurityConfig | None = None  # TLS flags go to every child, tokens through its environment
@@ -59,9 +62,16 @@ class StackConfig:
             raise ValueError("num_executors must be >= 1")
         if self.num_blocks is not None and self.kv_cache_gib is not None:
             raise ValueError("num_blocks and kv_cache_gib are exclusive")
+        if self.drain_timeout_s < 0 or self.grace_s < 0:
+            raise ValueError("--drain-timeout-s and --grace-s must be >= 0")
         unknown = set(self.extra_args) - set(ROLES)
         if unknown:
             raise ValueError(f"extra_args roles must be among {ROLES}, got {sorted(unknown)}")
+
+    @property
+    def supervisor_metrics_port(self) -> int | None:
+        """Where `kvpager up` serves its supervisor's metrics (None: metrics off)."""
+        return None if self.metrics_base_port is None else self.metrics_base_port + 2 + self.num_executors
 
     def on_free_ports(self) -> StackConfig:
         """A copy on ports free right now (executors on consecutive ones)."""
@@ -76,7 +86,7 @@ class StackConfig:
         out = [self.memory_port, self.gateway_port, self.http_port, self.blockmap_port,
                *range(self.executor_base_port, self.executor_base_port + self.num_executors)]
         if self.metrics_base_port is not None:
-            out += range(self.metrics_base_port, self.metrics_base_port + 2 + self.num_executors)
+            out += range(self.metrics_base_port, self.metrics_base_port + 3 + self.num_executors)
         return [p for p in out if p is not None]
 
     def _fill_ports(self, replace) -> StackConfig:
@@ -89,7 +99,7 @@ class StackConfig:
         return filled
 
     def _fill_once(self, replace) -> StackConfig:
-        num_metrics = 2 + self.num_executors
+        num_metrics = 3 + self.num_executors
         mbase = self.metrics_base_port
         return dataclasses.replace(
             self,
@@ -225,6 +235,8 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
     children.append(ChildSpec("gateway", "gateway", kvpager(
         "gateway", "--host", host, "--port", str(config.gateway_port), *flags,
         "--memory-address", memory_address, "--model", config.model, *http, *redis,
+        # Its own graceful stop is the stack's drain: in-flight requests finish, new ones are refused.
+        "--grace-s", f"{config.drain_timeout_s:g}",
     ), _join(near, config.gateway_port), port))
     return children
 

@@ -10,6 +10,30 @@ import time
 from kvpager_tools.stack import Stack, StackError, _tail
 from kvpager_tools.stack_config import DEMO_NUM_BLOCKS, StackConfig
 
+# Gateway flags `kvpager up` forwards when given: (flag, type, help). One line
+# per flag, so that a new gateway option is one line here.
+GATEWAY_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--max-batch-tokens", int, "tokens each executor computes per step"),
+    ("--max-running", int, "sequences each executor runs per step"),
+    ("--max-waiting", int, "requests in flight before RESOURCE_EXHAUSTED"),
+    ("--policy", str, "fcfs | priority"),
+    ("--routing", str, "prefix | round-robin"),
+    ("--max-prompt-tokens", int, "longest prompt accepted, in tokens"),
+    ("--step-timeout-s", float, "deadline of each internal Step and Execute call"),
+)
+
+
+def gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The forwarded gateway flags that were given, then --gateway-args."""
+    import shlex
+
+    out: list[str] = []
+    for flag, _kind, _help in GATEWAY_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            out += [flag, str(value)]
+    return out + shlex.split(args.gateway_args)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start memory service, executors and gateway locally (Ctrl-C stops)")
@@ -40,13 +64,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
     p.add_argument("--grace-s", type=float, default=10.0, help="per tier on stop, then SIGKILL")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="Ctrl-C / SIGTERM: stop admitting, let requests in flight finish this long, abort the rest, "
+                        "then stop gateway, executors, memory in that order")
+    p.add_argument("--no-restart", action="store_true",
+                   help="a child that exits stops the whole stack (default: it is restarted with backoff)")
+    p.add_argument("--restart-backoff-s", type=float, default=1.0,
+                   help="first wait before restarting a child that exited; doubles on each quick failure")
+    p.add_argument("--restart-backoff-max-s", type=float, default=30.0, help="longest wait between restarts")
+    p.add_argument("--gateway-args", default="", metavar="FLAGS",
+                   help="more gateway flags, one shell-quoted string (e.g. \"--policy priority\")")
+    g = p.add_argument_group("passed to the gateway as they are (kvpager gateway --help)")
+    for flag, kind, help_text in GATEWAY_FLAGS:
+        g.add_argument(flag, type=kind, default=None, help=help_text)
     p.add_argument("--demo", action="store_true",
                    help="run a short streaming demo against the stack, show block accounting, then stop "
                         f"(pool of {DEMO_NUM_BLOCKS} blocks unless sized)")
     from kvpager.security import add_security_arguments
 
     # Passed to every child: TLS files as flags, tokens through the environment.
-    add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True, open_read_only=True)
+    add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True, open_read_only=True,
+                           read_only_token=True)
+    p.add_argument("--no-admin-token", action="store_true",
+                   help="do not generate an admin token when none is given (then any local process may call "
+                        "the memory service's and executors' mutating RPCs; docs/security.md)")
     p.set_defaults(func=run)
 
 
@@ -67,7 +108,9 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
         model_impl=args.model_impl, log_dir=args.log_dir,
         log_level=args.log_level, ready_timeout_s=args.ready_timeout_s, grace_s=args.grace_s,
-        security=security if security.enabled or security.open_read_only else None)
+        drain_timeout_s=args.drain_timeout_s, generate_admin_token=not args.no_admin_token,
+        extra_args={"gateway": flags} if (flags := gateway_flags(args)) else {},
+        security=security if security.enabled or security.open_read_only or security.read_only_token else None)
 
 
 def _print_ready(stack: Stack, console) -> None:
@@ -76,20 +119,27 @@ def _print_ready(stack: Stack, console) -> None:
     for child in stack.children:
         metrics = f"  metrics :{child.metrics_port}" if child.metrics_port is not None else ""
         console.print(f"  {child.name:<12} {child.address}{metrics}")
-    console.print("try:")
     security = stack.config.security
+    from kvpager_tools.stack_secrets import ADMIN_TOKEN_FILE, READ_ONLY_TOKEN_FILE
+
+    for label, name in (("admin token", ADMIN_TOKEN_FILE), ("read-only token", READ_ONLY_TOKEN_FILE)):
+        if (stack.secrets_dir / name).is_file():
+            console.print(f"  {label} (generated, mode 600): {stack.secrets_dir / name}")
+    console.print("try:")
     tls = ""
     if security is not None and security.tls_cert:
         tls = f" --tls-ca {security.tls_ca}" if security.tls_ca else ""
         if security.tls_require_client_auth:
             tls += " --tls-client-cert CERT --tls-client-key KEY"
     gen_token = " (with $KVPAGER_AUTH_TOKEN set)" if security is not None and security.auth_token else ""
-    blk_token = " (with $KVPAGER_ADMIN_TOKEN set)" if security is not None and security.admin_token else ""
+    blk_token = ""
+    if security is not None and security.admin_token and not security.open_read_only:
+        blk_token = " (with $KVPAGER_ADMIN_TOKEN[_FILE] or $KVPAGER_READ_ONLY_TOKEN[_FILE] set)"
     console.print(f"  kvpager generate \"Once upon a time\" --address {a.gateway} --max-tokens 32{tls}{gen_token}")
     console.print(f"  kvpager blocks --address {a.memory}{tls}{blk_token}")
     if a.blockmap is not None:
-        key = " (it asks for the admin token)" if security is not None and security.admin_token and \
-            not security.open_read_only else ""
+        key = " (it asks for the admin or read-only token)" if security is not None and security.admin_token \
+            and not security.open_read_only else ""
         console.print(f"  the live block map: {a.blockmap}{key}")
     if a.http is not None:
         key = " (with the auth token as the API key)" if security is not None and security.auth_token else ""
@@ -147,17 +197,65 @@ def _run_demo(stack: Stack, console) -> int:
     return 0
 
 
+def _preflight(config: StackConfig) -> None:
+    """A wrong --model, reported before anything starts."""
+    from kvpager.preflight import check_model_dir
+
+    if config.model is not None:
+        from executor_service.model_runner import SUPPORTED_MODEL_TYPES
+
+        check_model_dir(config.model, supported=SUPPORTED_MODEL_TYPES)
+
+
+def _supervise(stack: Stack, args: argparse.Namespace, console) -> int:
+    """Until Ctrl-C / SIGTERM (KeyboardInterrupt); with --no-restart, until a child exits (returns 1)."""
+    from kvpager_tools.supervisor import Backoff, Supervisor
+
+    if args.no_restart:
+        while (dead := stack.poll()) is None:
+            time.sleep(0.2)
+        name, exit_code = dead
+        console.print(f"[red]{name} exited with code {exit_code}[/]; its log ({stack.log_path(name)}) ends:")
+        console.print(_tail(stack.log_path(name)), markup=False, highlight=False)
+        return 1
+
+    def exited(event) -> None:
+        console.print(f"[yellow]{event.child} exited with code {event.exit_code}[/]; restart {event.num_restarts} "
+                      f"in {event.delay_s:g}s (log: {stack.log_path(event.child)})")
+
+    def restarted(name: str) -> None:
+        console.print(f"{name} restarted (pid {stack.pid(name)})")
+
+    supervisor = Supervisor(stack, Backoff(args.restart_backoff_s, args.restart_backoff_max_s),
+                            on_exit=exited, on_restart=restarted)
+    metrics = None
+    if stack.config.supervisor_metrics_port is not None:
+        from kvpager.telemetry import MetricsServer
+
+        metrics = MetricsServer(stack.config.supervisor_metrics_port, stack.config.host,
+                                supervisor.metrics.registry)
+        console.print(f"  supervisor   metrics :{metrics.port}")
+    try:
+        supervisor.run()
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return 0  # not reached: run() ends by KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+
+    from kvpager.preflight import report
 
     console = Console()
     try:
         config = config_from_args(args)
+        _preflight(config)
     except ValueError as exc:
-        console.print(f"kvpager up: {exc}", style="red")
-        return 2
+        return report("kvpager up", exc)
     stack = Stack(config)
-    # SIGTERM behaves like Ctrl-C: unwind, then stop the children in order.
+    # SIGTERM behaves like Ctrl-C: unwind, then drain and stop the children in order.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     code = 0
     try:
@@ -167,14 +265,11 @@ def run(args: argparse.Namespace) -> int:
         _print_ready(stack, console)
         if args.demo:
             return _run_demo(stack, console)
-        console.print("Ctrl-C stops the stack.")
-        while (dead := stack.poll()) is None:
-            time.sleep(0.2)
-        name, exit_code = dead
-        console.print(f"[red]{name} exited with code {exit_code}[/]; its log ({stack.log_path(name)}) ends:")
-        console.print(_tail(stack.log_path(name)), markup=False, highlight=False)
-        code = 1
+        console.print(f"Ctrl-C stops the stack (requests in flight get {config.drain_timeout_s:g}s to finish).")
+        code = _supervise(stack, args, console)
     except StackError as exc:
+        if exc.usage:  # e.g. a port in use: the operator's to fix, named by its flag
+            return report("kvpager up", exc)
         console.print(f"[red]kvpager up: {exc}[/]" + (f"; its log ({exc.log_path}) ends:" if exc.log_tail else ""))
         if exc.log_tail:
             console.print(exc.log_tail, markup=False, highlight=False)
@@ -182,10 +277,12 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         code = 0
     finally:
-        # Ignore further Ctrl-C while stopping: the grace periods bound it.
+        # Ignore further Ctrl-C while stopping: the drain and grace periods bound it.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        console.print("stopping …")
+        if stack.procs:
+            console.print(f"stopping: the gateway drains (up to {config.drain_timeout_s:g}s), then executors, "
+                          "then memory …")
         codes = stack.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, previous)

@@ -46,7 +46,7 @@ def test_up_two_executors_exact_command_lines():
     assert children[3].argv == [PY, "-m", "gateway", "--host", "127.0.0.1", "--port", "50050",
                                 "--metrics-port", "9101", "--memory-address", "127.0.0.1:50051",
                                 "--model", "/models/m", "--http-port", "8000", "--redis-url", "redis://cache:6379/0",
-                                "--log-level", "INFO"]
+                                "--grace-s", "30", "--log-level", "INFO"]
     assert [c.address for c in children] == ["127.0.0.1:50051", "127.0.0.1:50060", "127.0.0.1:50061",
                                              "127.0.0.1:50050"]
     assert [c.metrics_port for c in children] == [9100, 9102, 9103, 9101]
