@@ -228,17 +228,29 @@ def read_only_token_from_args(args: argparse.Namespace) -> str | None:
     return _token(args, "read_only_token", READ_ONLY_TOKEN_ENV)
 
 
+def _tls_flag(args: argparse.Namespace, name: str) -> str | None:
+    """A TLS flag's value, else ``$KVPAGER_<NAME>`` when the command has that flag
+    (containers configure TLS by environment: docker-compose.tls.yml)."""
+    if not hasattr(args, name):
+        return None
+    return getattr(args, name) or os.environ.get(f"KVPAGER_{name.upper()}") or None
+
+
 def security_from_args(args: argparse.Namespace) -> SecurityConfig:
-    """The SecurityConfig of parsed flags (and the token variables).
+    """The SecurityConfig of parsed flags (and the token and TLS variables:
+    ``$KVPAGER_TLS_CERT``, ``_KEY``, ``_CA``, ``_CLIENT_CERT``, ``_CLIENT_KEY``,
+    ``_SERVER_NAME``, ``$KVPAGER_TLS_REQUIRE_CLIENT_AUTH=1``).
 
     Raises:
         ValueError: an inconsistent combination (a cert without its key …).
     """
+    require = getattr(args, "tls_require_client_auth", False) or (
+        hasattr(args, "tls_require_client_auth") and os.environ.get("KVPAGER_TLS_REQUIRE_CLIENT_AUTH") == "1")
     return SecurityConfig(
-        tls_cert=getattr(args, "tls_cert", None), tls_key=getattr(args, "tls_key", None),
-        tls_ca=getattr(args, "tls_ca", None), tls_require_client_auth=getattr(args, "tls_require_client_auth", False),
-        tls_client_cert=getattr(args, "tls_client_cert", None), tls_client_key=getattr(args, "tls_client_key", None),
-        tls_server_name=getattr(args, "tls_server_name", None),
+        tls_cert=_tls_flag(args, "tls_cert"), tls_key=_tls_flag(args, "tls_key"),
+        tls_ca=_tls_flag(args, "tls_ca"), tls_require_client_auth=require,
+        tls_client_cert=_tls_flag(args, "tls_client_cert"), tls_client_key=_tls_flag(args, "tls_client_key"),
+        tls_server_name=_tls_flag(args, "tls_server_name"),
         auth_token=auth_token_from_args(args) if hasattr(args, "auth_token") else None,
         admin_token=admin_token_from_args(args) if hasattr(args, "admin_token") else None,
         read_only_token=read_only_token_from_args(args) if hasattr(args, "read_only_token") else None,

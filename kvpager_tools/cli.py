@@ -29,9 +29,10 @@ TOOLS = {
     "generate": "kvpager_tools.generate",
     "bench": "kvpager_tools.bench",
     "drill": "kvpager_tools.drills",
+    "health": "kvpager_tools.health",
 }
 
-ORDER = ("up", "demo", "memory", "blocks", "executor", "demo-model", "gateway", "generate", "bench", "drill")
+ORDER = ("up", "demo", "memory", "blocks", "executor", "demo-model", "gateway", "generate", "bench", "drill", "health")
 
 
 def _executor_run(args: argparse.Namespace) -> int:
