@@ -18,7 +18,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["USAGE_EXIT_CODE", "BindError", "UsageError", "check_model_dir", "check_port_free", "check_tls_files", "report"]
+__all__ = ["USAGE_EXIT_CODE", "BindError", "UsageError", "check_model_dir", "check_port_free", "check_tls_files",
+           "report"]
 
 USAGE_EXIT_CODE = 2
 

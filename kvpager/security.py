@@ -38,8 +38,8 @@ from kvpager.preflight import check_tls_files
 from kvpager.server import TlsConfig
 
 __all__ = [
-    "ADMIN_TOKEN_ENV", "AUTH_TOKEN_ENV", "MEMORY_READ_ONLY_METHODS", "READ_ONLY_TOKEN_ENV", "SecurityConfig", "add_client_tls_arguments",
-    "add_security_arguments", "admin_token_from_args", "auth_token_from_args", "client_tls_from_args",
+    "ADMIN_TOKEN_ENV", "AUTH_TOKEN_ENV", "MEMORY_READ_ONLY_METHODS", "READ_ONLY_TOKEN_ENV", "SecurityConfig",
+    "add_client_tls_arguments", "add_security_arguments", "admin_token_from_args", "auth_token_from_args", "client_tls_from_args",
     "memory_auth", "read_only_token_from_args", "read_token_file", "security_from_args",
     "server_tls_from_args", "token_auth",
 ]

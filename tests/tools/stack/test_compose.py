@@ -45,7 +45,7 @@ def compose(*args: str, files: tuple[Path, ...] = (COMPOSE_FILE,), env: dict | N
 
     flags = [arg for f in files for arg in ("-f", str(f))]
     environ = {k: v for k, v in os.environ.items() if not k.startswith("KVPAGER_")}  # the file's defaults
-    return subprocess.run([*COMPOSE, *flags, *args], capture_output=True, text=True, cwd=ROOT, timeout=120,
+    return subprocess.run([*COMPOSE, *flags, *args], check=False, capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={**environ, **(env or {})})
 
 
