@@ -76,7 +76,7 @@ def preflight(args: argparse.Namespace) -> None:
     """
     from kvpager.preflight import check_model_dir, check_port_free
 
-    check_model_dir(args.model)  # the gateway reads its tokenizer and generation config
+    check_model_dir(args.model, tokenizer=True)  # the gateway reads its tokenizer and generation config
     check_port_free(args.host, args.port, flag="--port")
     check_port_free(args.metrics_host, args.metrics_port, flag="--metrics-port")
     if not args.no_http:

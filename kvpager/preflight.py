@@ -40,9 +40,14 @@ def _model_type(config: dict) -> str | None:
     return config.get("model_type")
 
 
-def check_model_dir(path: str, *, flag: str = "--model", supported: Iterable[str] | None = None) -> Path:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def check_model_dir(path: str, *, flag: str = "--model", supported: Iterable[str] | None = None,
+                    tokenizer: bool = False) -> Path:
     """The checkpoint directory, checked: it exists, holds a parseable
-    ``config.json`` and (when ``supported`` is given) a model type in it.
+    ``config.json``, (when ``supported`` is given) a model type in it, and
+    (with ``tokenizer``) a tokenizer's files.
 
     Raises:
         UsageError: what is wrong, naming ``flag``.
@@ -68,6 +73,8 @@ def check_model_dir(path: str, *, flag: str = "--model", supported: Iterable[str
             archs = ", ".join(config.get("architectures") or []) or "none given"
             raise UsageError(f"{flag} {path}: unsupported architecture: model_type {model_type!r} "
                              f"(architectures: {archs}); supported model types: {', '.join(supported)}")
+    if tokenizer and not any((model / name).is_file() for name in TOKENIZER_FILES):
+        raise UsageError(f"{flag} {path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)})")
     return model
 
 

@@ -61,6 +61,10 @@ def test_wrong_model_paths(bad_models):
     line = one_line(kvpager("gateway", "--model", "/no/such/dir", "--port", "0", "--http-port", "0"),
                     "kvpager gateway: --model /no/such/dir: no such directory")
     one_line(kvpager("up", "--model", "/no/such/dir"), "kvpager up: --model /no/such/dir: no such directory")
+    (bad_models["broken"] / "config.json").write_text("{}")  # now a config, but still no tokenizer
+    line = one_line(kvpager("gateway", "--model", str(bad_models["broken"]), "--port", "0", "--http-port", "0"),
+                    "kvpager gateway: --model")
+    assert "no tokenizer there" in line
 
 
 def test_unsupported_architecture(bad_models):
