@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import signal
 import time
+from datetime import UTC
 
 from kvpager_tools.stack import Stack, StackError, _tail
 from kvpager_tools.stack_config import DEMO_NUM_BLOCKS, StackConfig
@@ -219,12 +220,23 @@ def _supervise(stack: Stack, args: argparse.Namespace, console) -> int:
         console.print(_tail(stack.log_path(name)), markup=False, highlight=False)
         return 1
 
+    import json
+    from datetime import datetime
+
+    def record(event: str, **fields) -> None:  # supervisor.log: one JSON line per event, as the services log
+        line = {"event": event, **fields, "timestamp": datetime.now(UTC).isoformat()}
+        with open(stack.log_dir / "supervisor.log", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
     def exited(event) -> None:
         console.print(f"[yellow]{event.child} exited with code {event.exit_code}[/]; restart {event.num_restarts} "
                       f"in {event.delay_s:g}s (log: {stack.log_path(event.child)})")
+        record("child exited", level="warning", child=event.child, exit_code=event.exit_code,
+               restart_in_s=event.delay_s, num_restarts=event.num_restarts)
 
     def restarted(name: str) -> None:
         console.print(f"{name} restarted (pid {stack.pid(name)})")
+        record("child restarted", level="info", child=name, pid=stack.pid(name))
 
     supervisor = Supervisor(stack, Backoff(args.restart_backoff_s, args.restart_backoff_max_s),
                             on_exit=exited, on_restart=restarted)

@@ -10,6 +10,7 @@ executors, memory in that order."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -233,6 +234,10 @@ def test_a_killed_executor_is_restarted_and_the_stack_serves_again(up):
     assert _metric(up, "kvpager_supervisor_restarts_total", "executor-0") == 1.0
     assert _metric(up, "kvpager_supervisor_restarts_total", "memory") == 0.0
     assert _metric(up, "kvpager_supervisor_child_up", "executor-0") == 1.0
+    events = [json.loads(line) for line in (up.log_dir / "supervisor.log").read_text().splitlines()]
+    assert [(e["event"], e["child"]) for e in events] == [("child exited", "executor-0"),
+                                                         ("child restarted", "executor-0")]
+    assert events[0]["exit_code"] == -9 and events[0]["num_restarts"] == 1
 
 
 def test_a_killed_memory_service_is_restarted_and_the_stack_serves_again(up):
