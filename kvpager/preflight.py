@@ -32,14 +32,6 @@ class BindError(OSError, UsageError):
     """A server could not listen where it was told (a port in use)."""
 
 
-def _model_type(config: dict) -> str | None:
-    # Multimodal checkpoints keep the language model's type in text_config.
-    text = config.get("text_config")
-    if isinstance(text, dict) and text.get("model_type"):
-        return text["model_type"]
-    return config.get("model_type")
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
@@ -68,7 +60,7 @@ def check_model_dir(path: str, *, flag: str = "--model", supported: Iterable[str
         raise UsageError(f"{flag} {path}: config.json is not a JSON object")
     if supported is not None:
         supported = tuple(supported)
-        model_type = _model_type(config)
+        model_type = config.get("model_type")  # what the executor's loader checks, too
         if model_type not in supported:
             archs = ", ".join(config.get("architectures") or []) or "none given"
             raise UsageError(f"{flag} {path}: unsupported architecture: model_type {model_type!r} "
