@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import signal
 import time
-from datetime import UTC
+from datetime import UTC, datetime
 
 from kvpager_tools.stack import Stack, StackError, _tail
 from kvpager_tools.stack_config import DEMO_NUM_BLOCKS, StackConfig
@@ -221,7 +221,6 @@ def _supervise(stack: Stack, args: argparse.Namespace, console) -> int:
         return 1
 
     import json
-    from datetime import datetime
 
     def record(event: str, **fields) -> None:  # supervisor.log: one JSON line per event, as the services log
         line = {"event": event, **fields, "timestamp": datetime.now(UTC).isoformat()}
