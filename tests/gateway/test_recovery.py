@@ -1,0 +1,144 @@
+"""Streams that outlive a memory-service restart (gateway/recovery.py): the
+services in this process, the memory service stopped and a fresh one started
+on the same port (cold: no mirror). The streams pause and go on with exactly
+the tokens of an undisturbed run; the bounds (--max-retries, the recovery
+timeout) end them UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+from gateway_harness import start_stack
+
+from gateway.recovery import RecoveryConfig
+from gateway.sequences import SequenceTable
+from gateway.state import Request
+from gateway.params import SamplingSpec
+from kvpager.v1 import common_pb2, gateway_pb2
+from kvpager_tools.generate import stream_generate
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROMPTS = [list(range(100 + 7 * i, 130 + 7 * i)) for i in range(4)]
+MAX_TOKENS = 48
+
+
+def _request(prompt, i: int) -> gateway_pb2.GenerateRequest:
+    """Even ones greedy, odd ones seeded sampling (n=2 for the last)."""
+    sp = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    if i % 2:
+        sp.temperature, sp.top_p, sp.seed = 1.0, 0.9, 1234 + i
+        if i == 3:
+            sp.n = 2
+    return gateway_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=sp)
+
+
+async def _restart_memory(stack, down_s: float = 0.3, stop: bool = True) -> None:
+    """Stop the memory service (no grace: a crash, as far as its peers go) and start a cold one on its port."""
+    from memory_service.service import MemoryServer
+
+    old = stack.memory
+    port = int(old.address.rsplit(":", 1)[1])
+    if stop:
+        await old.stop(0)
+    await asyncio.sleep(down_s)
+    stack.memory = await MemoryServer(dataclasses.replace(old.config, port=port)).start()
+
+
+async def _streams(stack, started: int):
+    """Start the streams; returns their tasks once every one has ``started`` tokens."""
+    counts = [0] * len(PROMPTS)
+    ready = asyncio.Event()
+
+    def on_chunk(i):
+        def seen(resp, _c):
+            counts[i] += len(resp.token_ids)
+            if all(c >= started for c in counts):
+                ready.set()
+        return seen
+
+    tasks = [asyncio.ensure_future(stream_generate(stack.gw, _request(p, i), timeout_s=120, raise_errors=False,
+                                                   on_chunk=on_chunk(i))) for i, p in enumerate(PROMPTS)]
+    await asyncio.wait_for(ready.wait(), 60)
+    return tasks
+
+
+async def test_streams_continue_token_exact_across_a_cold_memory_restart(model):
+    stack = await start_stack(model, executors=1, num_blocks=128, block_size=4, memory_kw={"lease_s": 1.0})
+    try:
+        refs = [await stream_generate(stack.gw, _request(p, i), timeout_s=120) for i, p in enumerate(PROMPTS)]
+        tasks = await _streams(stack, 4)
+        t_kill = time.perf_counter()
+        await _restart_memory(stack)
+        outs = await asyncio.gather(*tasks)
+        for ref, out in zip(refs, outs):
+            assert out.status == "OK", (out.status, out.details)
+            assert out.tokens == ref.tokens
+            assert all(len(t) == MAX_TOKENS for t in out.tokens.values())
+        gaps = [b - a for o in outs for c in o.completions.values()
+                for a, b in zip(c.chunk_times, c.chunk_times[1:]) if b > t_kill > a]
+        assert gaps and max(gaps) < 15, gaps  # paused, then went on
+        assert stack.gateway.engine.recovery.pending is False
+        await stack.wait_idle()
+        assert (await stack.accounting()).num_sequences == 0
+    finally:
+        await stack.stop()
+
+
+async def test_max_retries_zero_ends_the_streams_unavailable(model):
+    stack = await start_stack(model, executors=1, num_blocks=128, block_size=4, memory_kw={"lease_s": 1.0},
+                              recovery=RecoveryConfig(max_retries=0, timeout_s=30.0))
+    try:
+        tasks = await _streams(stack, 2)
+        await _restart_memory(stack)
+        outs = await asyncio.gather(*tasks)
+        assert {o.status for o in outs} == {"UNAVAILABLE"}
+        assert all("--max-retries" in o.details for o in outs), [o.details for o in outs]
+        out = await stream_generate(stack.gw, _request(PROMPTS[0], 0), timeout_s=60)  # and it serves on
+        assert len(out.first) == MAX_TOKENS
+        await stack.wait_idle()
+    finally:
+        await stack.stop()
+
+
+async def test_a_memory_service_that_stays_down_ends_the_streams_after_the_timeout(model):
+    stack = await start_stack(model, executors=1, num_blocks=128, block_size=4,
+                              recovery=RecoveryConfig(max_retries=3, timeout_s=1.5))
+    try:
+        tasks = await _streams(stack, 2)
+        t0 = time.monotonic()
+        await stack.memory.stop(0)
+        outs = await asyncio.gather(*tasks)
+        took = time.monotonic() - t0
+        assert {o.status for o in outs} == {"UNAVAILABLE"}
+        assert all("--recovery-timeout-s" in o.details for o in outs), [o.details for o in outs]
+        assert 1.5 <= took < 8, took
+        assert not stack.gateway.engine.seqs and not stack.gateway.engine.recovery.pending
+    finally:
+        await _restart_memory(stack, 0, stop=False)  # stopped already: a fresh one for stack.stop
+        await stack.stop()
+
+
+async def test_readmit_gives_new_ids_and_drops_the_changes_naming_the_old_ones():
+    table = SequenceTable()
+    req = Request("r", [1, 2, 3], SamplingSpec(max_tokens=8), seed=0)
+    parent = table.start(req, None)
+    parent.created = True
+    other = table.start(Request("o", [4], SamplingSpec(max_tokens=8), seed=0), None)
+    other.created = True
+    table.append(parent, 7)
+    table.append(other, 8)
+    (child,) = table.fork(parent, [None])
+    table.changes.free.append(other.seq_id)
+    old_parent, old_child = parent.seq_id, child.seq_id
+    assert table.readmit([parent, child], "e1") == [old_parent, old_child]
+    assert old_parent not in table and old_child not in table
+    assert table.get(parent.seq_id) is parent and table.get(child.seq_id) is child
+    assert parent.seq_id > other.seq_id and child.seq_id > parent.seq_id
+    for s in (parent, child):
+        assert (s.executor_id, s.num_computed, s.created, s.placeholders, s.tokens) == ("e1", 0, False, 0, [1, 2, 3, 7])
+    assert table.changes.forks == [] and list(table.changes.appends) == [other.seq_id]
+    assert table.changes.free == [other.seq_id]
