@@ -352,9 +352,9 @@ class Engine:
         ex, task = call.ex, call.task
         if task.cancelled():
             return
-        if self.executors.get(ex.executor_id) is not ex:
-            return  # lost (or replaced) while the call ran: its requests have ended already
         exc = task.exception()
+        if self.executors.get(ex.executor_id) is not ex:
+            return  # lost (or replaced) while the call ran: its requests have moved or ended already
         if exc is not None:
             self._lose_executor(ex, exc if isinstance(exc, KvpagerError) else Unavailable(repr(exc)),
                                 deregister=True)

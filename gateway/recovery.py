@@ -110,8 +110,10 @@ class Recovery:
                 if s not in self._lost:
                     self._lost[s] = _Lost(now, None)
         self.free_stale(stale)
+        ids = [clip(r.request_id, 40) for r in self.requests.values()][:failures.MAX_IDS_LOGGED]
         self._warnings.log(log.warning, "memory", "memory service lost the serving state; re-admitting",
-                           error=clip(cause.message, 400), sequences=len(self._lost), requests_ended=len(ended))
+                           error=clip(cause.message, 400), sequences=len(self._lost), requests_ended=len(ended),
+                           request_ids=ids)
         return ended
 
     def backoff_s(self) -> float:
