@@ -195,10 +195,10 @@ class Recovery:
         return False
 
     def _rewind(self, seqs: list[Seq], executor_id: str) -> list[int]:
-        for s in seqs:
-            if s.created:
-                s.retries += 1
-        metrics.SEQUENCES_READMITTED.inc(len(seqs))
+        lost = [s for s in seqs if s.created]  # the others were never confirmed: no state was lost
+        for s in lost:
+            s.retries += 1
+        metrics.SEQUENCES_READMITTED.inc(len(lost))
         return self.sequences.readmit(seqs, executor_id)
 
     def _target(self, model: ModelKey | None) -> ExecutorClient | None:

@@ -48,6 +48,12 @@ async def _restart_memory(stack, down_s: float = 0.3, stop: bool = True) -> None
     stack.memory = await MemoryServer(dataclasses.replace(old.config, port=port)).start()
 
 
+def _readmitted() -> float:
+    from gateway.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value("kvpager_gateway_sequences_readmitted_total") or 0.0
+
+
 async def _streams(stack, started: int):
     """Start the streams; returns their tasks once every one has ``started`` tokens."""
     counts = [0] * len(PROMPTS)
@@ -70,6 +76,7 @@ async def test_streams_continue_token_exact_across_a_cold_memory_restart(model):
     stack = await start_stack(model, executors=1, num_blocks=128, block_size=4, memory_kw={"lease_s": 1.0})
     try:
         refs = [await stream_generate(stack.gw, _request(p, i), timeout_s=120) for i, p in enumerate(PROMPTS)]
+        before = _readmitted()
         tasks = await _streams(stack, 4)
         t_kill = time.perf_counter()
         await _restart_memory(stack)
@@ -81,6 +88,7 @@ async def test_streams_continue_token_exact_across_a_cold_memory_restart(model):
         gaps = [b - a for o in outs for c in o.completions.values()
                 for a, b in zip(c.chunk_times, c.chunk_times[1:]) if b > t_kill > a]
         assert gaps and max(gaps) < 15, gaps  # paused, then went on
+        assert _readmitted() - before == 5  # 4 requests, the last with n=2: every sequence once
         assert stack.gateway.engine.recovery.pending is False
         await stack.wait_idle()
         assert (await stack.accounting()).num_sequences == 0
@@ -142,3 +150,32 @@ async def test_readmit_gives_new_ids_and_drops_the_changes_naming_the_old_ones()
         assert (s.executor_id, s.num_computed, s.created, s.placeholders, s.tokens) == ("e1", 0, False, 0, [1, 2, 3, 7])
     assert table.changes.forks == [] and list(table.changes.appends) == [other.seq_id]
     assert table.changes.free == [other.seq_id]
+
+
+async def test_an_http_stream_continues_across_a_memory_restart(model):
+    """The OpenAI API streams through the same engine: the real ``openai``
+    client sees a pause, then the text of the undisturbed run."""
+    import openai
+
+    stack = await start_stack(model, executors=1, num_blocks=128, block_size=4, memory_kw={"lease_s": 1.0},
+                              http={})
+    try:
+        client = openai.AsyncOpenAI(base_url=stack.gateway.http_url + "/v1", api_key="none", max_retries=0)
+        name = stack.gateway.http_context.served_model_name
+        kw = dict(model=name, prompt="The scientist said", max_tokens=64, temperature=0.9, seed=99, stream=True,
+                  extra_body={"ignore_eos": True})
+        want = "".join([c.choices[0].text async for c in await client.completions.create(**kw)])
+        before = _readmitted()
+        stream = await client.completions.create(**kw)
+        got, restarted = [], None
+        async for chunk in stream:
+            got.append(chunk.choices[0].text)
+            if restarted is None and len(got) >= 4:
+                restarted = asyncio.ensure_future(_restart_memory(stack))
+        await restarted
+        assert "".join(got) == want
+        assert chunk.choices[0].finish_reason == "length"
+        assert _readmitted() == before + 1  # it was mid-stream when the memory service went
+        await stack.wait_idle()
+    finally:
+        await stack.stop()
