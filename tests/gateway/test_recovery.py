@@ -27,12 +27,15 @@ MAX_TOKENS = 48
 
 
 def _request(prompt, i: int) -> gateway_pb2.GenerateRequest:
-    """Even ones greedy, odd ones seeded sampling (n=2 for the last)."""
+    """Even ones greedy (the third with penalties: the executor's token history
+    must be rebuilt), odd ones seeded sampling (n=2 for the last)."""
     sp = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     if i % 2:
         sp.temperature, sp.top_p, sp.seed = 1.0, 0.9, 1234 + i
         if i == 3:
             sp.n = 2
+    elif i == 2:
+        sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty = 1.3, 0.4, 0.2
     return gateway_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=sp)
 
 
