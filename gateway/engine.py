@@ -172,7 +172,7 @@ class Engine:
         re-registration."""
         self.executors.remove(ex)
         error = for_client(cause, failures.EXECUTOR_LEFT if left else failures.EXECUTOR_FAILED)
-        ended = self.recovery.executor_lost(ex, left)
+        ended = self.recovery.executor_lost(ex, cause, left)
         for req, why in ended:
             self.requests.fail(req, why or error, release=False)
         loop = asyncio.get_running_loop()

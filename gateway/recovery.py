@@ -130,29 +130,35 @@ class Recovery:
 
     # ---- executors -------------------------------------------------------------------
 
-    def executor_lost(self, ex: ExecutorClient, left: bool) -> list[Ending]:
+    def executor_lost(self, ex: ExecutorClient, cause: KvpagerError, left: bool) -> list[Ending]:
         """``ex`` is gone (already removed from the executors; the memory
         service dropped or drops what it held). Its requests move to the least
         loaded executor of its model; with none, they wait for one when ``ex``
-        only ``left`` the registry. Returns those that cannot continue."""
+        only ``left`` the registry. An executor that refused a step (any
+        ``cause`` but UNAVAILABLE) did not die: its requests end, they are not
+        handed to the next one. Returns those that cannot continue."""
         model = model_key(ex)
         target = self._target(model)
+        movable = left or isinstance(cause, Unavailable)
         now = time.monotonic()
+        moved = 0
         seqs = self._by_request(self.sequences.of_executor(ex.executor_id))
         ended: list[Ending] = [(r, None) for r in self.requests.values()
                                if r.executor_id == ex.executor_id and r not in seqs]
         for req, group in seqs.items():
             error = self._refusal(req, group)
-            if error is not False or (target is None and not left):
+            if error is not False or (target is None and not left) or not movable:
                 ended.append((req, error or None))
                 continue
             req.executor_id = target.executor_id if target is not None else ex.executor_id
             self._rewind(group, req.executor_id)
+            moved += 1
             for s in group:
                 self._lost[s] = _Lost(now, model)
-        if target is not None and seqs:
-            log.warning("sequences moved to another executor", executor_id=clip(ex.executor_id),
-                        to=clip(target.executor_id), requests=len(seqs) - len(ended))
+        if moved:
+            log.warning("requests moved to another executor" if target is not None else
+                        "requests waiting for an executor of their model", executor_id=clip(ex.executor_id),
+                        to=clip(target.executor_id) if target is not None else None, requests=moved)
         return ended
 
     def tick(self) -> list[Ending]:
