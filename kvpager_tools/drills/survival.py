@@ -68,7 +68,8 @@ async def start(clients: Clients, requests: list[gateway_pb2.GenerateRequest],
 
 
 def pause_s(out: Stream, t_disturbed: float) -> float:
-    """The stream's gap between chunks across ``t_disturbed`` (perf_counter),
+    """The stream's longest gap between chunks that ends after ``t_disturbed``
+    (perf_counter; the steps in flight may still stream before the pause),
     when that is a pause (else 0)."""
     worst = 0.0
     for c in out.completions.values():
@@ -78,7 +79,7 @@ def pause_s(out: Stream, t_disturbed: float) -> float:
             continue
         typical = statistics.median(gaps)
         for a, b in zip(times, times[1:]):
-            if a <= t_disturbed < b and b - a > max(PAUSE_MIN_S, PAUSE_FACTOR * typical):
+            if b > t_disturbed and b - a > max(PAUSE_MIN_S, PAUSE_FACTOR * typical):
                 worst = max(worst, b - a)
     return worst
 

@@ -37,7 +37,7 @@ def test_memory_crash_under_load_rebuilds_and_serves_nothing_wrong(env):
     summary = assert_ok(run_drill(env, "memory-restart", streams=6, max_tokens=32, prefix_blocks=4,
                                   kill_signal="KILL", unconfirmed_round=False))
     figures = summary["figures"]
-    assert figures["recovered_cached_blocks"] > 0 and not figures["fenced"]
+    assert figures["cached_blocks_after_restart"] > 0 and not figures["fenced"]
     assert figures["prefix_hit_after_restart_tokens"] >= 3 * 8
     assert figures["streams"]["failed"] == 0 and figures["streams"]["completed"] == 6, figures
 
@@ -45,7 +45,7 @@ def test_memory_crash_under_load_rebuilds_and_serves_nothing_wrong(env):
 def test_memory_restart(env):
     summary = assert_ok(run_drill(env, "memory-restart", streams=6, max_tokens=64, prefix_blocks=4))
     figures = summary["figures"]
-    assert figures["recovered_cached_blocks"] > 0 and not figures["fenced"]
+    assert figures["cached_blocks_after_restart"] > 0 and not figures["fenced"]
     assert figures["prefix_hit_after_restart_tokens"] >= 3 * 8
     assert figures["unconfirmed_round"]["prefix_hit_tokens"] == 0
     assert figures["streams"]["failed"] == 0 and figures["streams"]["completed"] == 6, figures
