@@ -10,7 +10,9 @@ a hit), on the same executor or, when that one is gone, on the least loaded
 executor of the same model (model id, dtype, adapter). Sampling is keyed by
 (seed, position) (executor_service/sampler.py), so the recomputed sequence
 samples the tokens an undisturbed run would: the client sees a pause, not an
-error.
+error. A memory service that lost its registry gets the gateway's executors
+registered again (``Executors.reregister_missing``) rather than waiting for
+their next heartbeat.
 
 Bounds: a sequence rewound more than ``max_retries`` times ends UNAVAILABLE,
 and so does one that waits longer than ``timeout_s`` for a memory service
@@ -49,7 +51,7 @@ log = get_logger("gateway.recovery")
 ModelKey = tuple[str, str, str]
 Ending = tuple[Request, "KvpagerError | None"]  # a request that cannot go on, and its error (None: the loss's own)
 BACKOFF_FIRST_S = 0.05
-BACKOFF_MAX_S = 1.0
+BACKOFF_MAX_S = 0.2  # a Step to a service that is down fails at once: cheap to retry
 
 
 @dataclass(slots=True)
@@ -82,6 +84,7 @@ class Recovery:
         self._lost: dict[Seq, _Lost] = {}   # rewound (or waiting through an outage), not admitted again yet
         self._backoff_s = 0.0
         self._warnings = LogLimiter(10.0)
+        self._reregistering: asyncio.Task | None = None
 
     @property
     def pending(self) -> bool:
@@ -110,6 +113,8 @@ class Recovery:
                 if s not in self._lost:
                     self._lost[s] = _Lost(now, None)
         self.free_stale(stale)
+        if self._reregistering is None or self._reregistering.done():
+            self._reregistering = asyncio.get_running_loop().create_task(self.executors.reregister_missing())
         ids = [clip(r.request_id, 40) for r in self.requests.values()][:failures.MAX_IDS_LOGGED]
         self._warnings.log(log.warning, "memory", "memory service lost the serving state; re-admitting",
                            error=clip(cause.message, 400), sequences=len(self._lost), requests_ended=len(ended),
