@@ -177,27 +177,38 @@ class Executors:
         if self.clients.get(ex.executor_id) is ex:
             del self.clients[ex.executor_id]
 
-    async def reregister_missing(self) -> None:
+    async def reregister_missing(self, pools: list[memory_pb2.ExecutorPoolInfo]) -> None:
         """After the memory service lost its registry (a cold restart): register
-        the executors the gateway serves through that it no longer lists and
-        that are SERVING, with the pool they last registered (the same
-        incarnation and generation: a no-op for one that re-registered itself
-        meanwhile; its own heartbeats go on). Spares the streams waiting for
-        them a heartbeat period; a draining executor is left alone."""
+        again those of ``pools`` (the executors served through before the loss,
+        as they last registered) that it does not list and that are SERVING.
+        The same incarnation and generation make it a no-op for one that
+        re-registered itself meanwhile (its own heartbeats go on); it spares
+        the streams waiting for them a heartbeat period. A draining executor
+        (NOT_SERVING) is left alone."""
         try:
             listed = {p.executor_id for p in await self.memory.list_executors()}
         except KvpagerError:
             return  # still down: the next failed Step tries again
-        for ex in list(self.clients.values()):
-            pool = self._listing.get(ex.executor_id, ex.pool)
-            if ex.executor_id in listed or _key(pool) != _key(ex.pool) or not await ex.serving():
+        registered = 0
+        for pool in pools:
+            if pool.executor_id in listed:
                 continue
+            probe = ExecutorClient(pool, tls=self._tls, token=self._token)
             try:
+                if not await probe.serving():
+                    continue
                 await self.memory.register(pool)
-                log.info("executor registered again for the memory service", executor_id=clip(ex.executor_id))
+                registered += 1
+                log.info("executor registered again for the memory service", executor_id=clip(pool.executor_id))
             except KvpagerError as exc:
                 self._warnings.log(log.warning, "reregister", "registering an executor again failed",
-                                   executor_id=clip(ex.executor_id), error=clip(exc.message))
+                                   executor_id=clip(pool.executor_id), error=clip(exc.message))
+            finally:
+                await probe.close()
+        if registered:  # join them now, not at the next periodic refresh
+            with contextlib.suppress(KvpagerError):
+                self.listed(await self.memory.list_executors())
+                self._on_join()
 
     async def deregister(self, ex: ExecutorClient) -> None:
         """Tell the memory service a lost executor is gone (it releases every block it held)."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from kvpager.errors import KvpagerError, NotFound, Unavailable
 from kvpager.log_limits import LogLimiter, clip
 from kvpager.telemetry import get_logger
+from kvpager.v1 import memory_pb2
 from gateway import failures, metrics
 from gateway.clients import ExecutorClient, MemoryClient
 from gateway.membership import Executors
@@ -85,6 +86,9 @@ class Recovery:
         self._backoff_s = 0.0
         self._warnings = LogLimiter(10.0)
         self._reregistering: asyncio.Task | None = None
+        # The executors served through when the memory service was lost (their pools as registered),
+        # for registering them again with one that lost its registry; kept until every stream is back.
+        self._pools: dict[str, memory_pb2.ExecutorPoolInfo] = {}
 
     @property
     def pending(self) -> bool:
@@ -113,8 +117,10 @@ class Recovery:
                 if s not in self._lost:
                     self._lost[s] = _Lost(now, None)
         self.free_stale(stale)
+        self._pools.update({ex.executor_id: ex.pool for ex in self.executors.values() if ex.alive})
         if self._reregistering is None or self._reregistering.done():
-            self._reregistering = asyncio.get_running_loop().create_task(self.executors.reregister_missing())
+            self._reregistering = asyncio.get_running_loop().create_task(
+                self.executors.reregister_missing(list(self._pools.values())))
         ids = [clip(r.request_id, 40) for r in self.requests.values()][:failures.MAX_IDS_LOGGED]
         self._warnings.log(log.warning, "memory", "memory service lost the serving state; re-admitting",
                            error=clip(cause.message, 400), sequences=len(self._lost), requests_ended=len(ended),
@@ -132,6 +138,8 @@ class Recovery:
         if self._lost:
             for s in admitted:
                 self._lost.pop(s, None)
+        if not self._lost:
+            self._pools.clear()
 
     # ---- executors -------------------------------------------------------------------
 
