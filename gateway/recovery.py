@@ -166,8 +166,8 @@ class Recovery:
             req.executor_id = target.executor_id if target is not None else ex.executor_id
             self._rewind(group, req.executor_id)
             moved += 1
-            for s in group:
-                self._lost[s] = _Lost(now, model)
+            for s in group:  # waiting since the first loss (a restarted memory service, then this)
+                self._lost[s] = _Lost(self._lost[s].since if s in self._lost else now, model)
         if moved:
             log.warning("requests moved to another executor" if target is not None else
                         "requests waiting for an executor of their model", executor_id=clip(ex.executor_id),
