@@ -11,9 +11,9 @@ import dataclasses
 import time
 
 import pytest
+import pytest_asyncio
 from gateway_harness import start_stack
 
-from gateway.recovery import RecoveryConfig
 from gateway.sequences import SequenceTable
 from gateway.state import Request
 from gateway.params import SamplingSpec
@@ -75,55 +75,87 @@ async def _streams(stack, started: int):
     return tasks
 
 
-async def test_streams_continue_token_exact_across_a_cold_memory_restart(model):
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stack(model):
     # A long lease: the executor's next heartbeat (lease / 3 = 20 s) would come long after
-    # the gateway registered it again with the fresh memory service.
-    stack = await start_stack(model, executors=1, num_blocks=128, block_size=4, memory_kw={"lease_s": 60.0})
+    # the gateway registered it again with a fresh memory service.
+    s = await start_stack(model, executors=1, num_blocks=128, block_size=4, memory_kw={"lease_s": 60.0}, http={})
+    yield s
+    await s.stop()
+
+
+@pytest.fixture
+def recovery_config(stack):
+    """The gateway's bounds, changed by a test and restored after it."""
+    engine = stack.gateway.engine
+    saved = engine.recovery.config
+    engine.recovery.config = dataclasses.replace(saved)
+    yield engine.recovery.config
+    engine.recovery.config = saved
+
+
+async def test_streams_continue_token_exact_across_a_cold_memory_restart(stack):
+    refs = [await stream_generate(stack.gw, _request(p, i), timeout_s=120) for i, p in enumerate(PROMPTS)]
+    before = _readmitted()
+    tasks = await _streams(stack, 4)
+    t_kill = time.perf_counter()
+    await _restart_memory(stack)
+    outs = await asyncio.gather(*tasks)
+    for ref, out in zip(refs, outs):
+        assert out.status == "OK", (out.status, out.details)
+        assert out.tokens == ref.tokens
+        assert all(len(t) == MAX_TOKENS for t in out.tokens.values())
+    gaps = [b - a for o in outs for c in o.completions.values()
+            for a, b in zip(c.chunk_times, c.chunk_times[1:]) if b > t_kill]
+    assert gaps and max(gaps) < 10, gaps  # paused, then went on (before the executor's own heartbeat)
+    assert _readmitted() - before == 5  # 4 requests, the last with n=2: every sequence once
+    assert stack.gateway.engine.recovery.pending is False
+    await stack.wait_idle()
+    assert (await stack.accounting()).num_sequences == 0
+
+
+async def test_an_http_stream_continues_across_a_memory_restart(stack):
+    """The OpenAI API streams through the same engine: the real ``openai``
+    client sees a pause, then the text of the undisturbed run."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=stack.gateway.http_url + "/v1", api_key="none", max_retries=0)
+    name = stack.gateway.http_context.served_model_name
+    kw = dict(model=name, prompt="The scientist said", max_tokens=64, temperature=0.9, seed=99, stream=True,
+              extra_body={"ignore_eos": True})
+    want = "".join([c.choices[0].text async for c in await client.completions.create(**kw)])
+    before = _readmitted()
+    stream = await client.completions.create(**kw)
+    got, restarted = [], None
+    async for chunk in stream:
+        got.append(chunk.choices[0].text)
+        if restarted is None and len(got) >= 4:
+            restarted = asyncio.ensure_future(_restart_memory(stack))
+    await restarted
+    assert "".join(got) == want
+    assert chunk.choices[0].finish_reason == "length"
+    assert _readmitted() == before + 1  # it was mid-stream when the memory service went
+    await stack.wait_idle()
+
+
+async def test_max_retries_zero_ends_the_streams_unavailable(stack, recovery_config):
+    recovery_config.max_retries = 0
+    tasks = await _streams(stack, 2)
+    await _restart_memory(stack)
+    outs = await asyncio.gather(*tasks)
+    assert {o.status for o in outs} == {"UNAVAILABLE"}
+    assert all("--max-retries" in o.details for o in outs), [o.details for o in outs]
+    out = await stream_generate(stack.gw, _request(PROMPTS[0], 0), timeout_s=60)  # and it serves on
+    assert len(out.first) == MAX_TOKENS
+    await stack.wait_idle()
+
+
+async def test_a_memory_service_that_stays_down_ends_the_streams_after_the_timeout(stack, recovery_config):
+    recovery_config.timeout_s = 1.5
+    tasks = await _streams(stack, 2)
+    t0 = time.monotonic()
+    await stack.memory.stop(0)
     try:
-        refs = [await stream_generate(stack.gw, _request(p, i), timeout_s=120) for i, p in enumerate(PROMPTS)]
-        before = _readmitted()
-        tasks = await _streams(stack, 4)
-        t_kill = time.perf_counter()
-        await _restart_memory(stack)
-        outs = await asyncio.gather(*tasks)
-        for ref, out in zip(refs, outs):
-            assert out.status == "OK", (out.status, out.details)
-            assert out.tokens == ref.tokens
-            assert all(len(t) == MAX_TOKENS for t in out.tokens.values())
-        gaps = [b - a for o in outs for c in o.completions.values()
-                for a, b in zip(c.chunk_times, c.chunk_times[1:]) if b > t_kill > a]
-        assert gaps and max(gaps) < 10, gaps  # paused, then went on (before the executor's own heartbeat)
-        assert _readmitted() - before == 5  # 4 requests, the last with n=2: every sequence once
-        assert stack.gateway.engine.recovery.pending is False
-        await stack.wait_idle()
-        assert (await stack.accounting()).num_sequences == 0
-    finally:
-        await stack.stop()
-
-
-async def test_max_retries_zero_ends_the_streams_unavailable(model):
-    stack = await start_stack(model, executors=1, num_blocks=128, block_size=4, memory_kw={"lease_s": 1.0},
-                              recovery=RecoveryConfig(max_retries=0, timeout_s=30.0))
-    try:
-        tasks = await _streams(stack, 2)
-        await _restart_memory(stack)
-        outs = await asyncio.gather(*tasks)
-        assert {o.status for o in outs} == {"UNAVAILABLE"}
-        assert all("--max-retries" in o.details for o in outs), [o.details for o in outs]
-        out = await stream_generate(stack.gw, _request(PROMPTS[0], 0), timeout_s=60)  # and it serves on
-        assert len(out.first) == MAX_TOKENS
-        await stack.wait_idle()
-    finally:
-        await stack.stop()
-
-
-async def test_a_memory_service_that_stays_down_ends_the_streams_after_the_timeout(model):
-    stack = await start_stack(model, executors=1, num_blocks=128, block_size=4,
-                              recovery=RecoveryConfig(max_retries=3, timeout_s=1.5))
-    try:
-        tasks = await _streams(stack, 2)
-        t0 = time.monotonic()
-        await stack.memory.stop(0)
         outs = await asyncio.gather(*tasks)
         took = time.monotonic() - t0
         assert {o.status for o in outs} == {"UNAVAILABLE"}
@@ -131,8 +163,10 @@ async def test_a_memory_service_that_stays_down_ends_the_streams_after_the_timeo
         assert 1.5 <= took < 8, took
         assert not stack.gateway.engine.seqs and not stack.gateway.engine.recovery.pending
     finally:
-        await _restart_memory(stack, 0, stop=False)  # stopped already: a fresh one for stack.stop
-        await stack.stop()
+        await _restart_memory(stack, 0, stop=False)  # stopped already: a fresh one
+    out = await stream_generate(stack.gw, _request(PROMPTS[1], 1), timeout_s=60)  # and it serves on
+    assert out.status == "OK"
+    await stack.wait_idle()
 
 
 async def test_readmit_gives_new_ids_and_drops_the_changes_naming_the_old_ones():
@@ -155,32 +189,3 @@ async def test_readmit_gives_new_ids_and_drops_the_changes_naming_the_old_ones()
         assert (s.executor_id, s.num_computed, s.created, s.placeholders, s.tokens) == ("e1", 0, False, 0, [1, 2, 3, 7])
     assert table.changes.forks == [] and list(table.changes.appends) == [other.seq_id]
     assert table.changes.free == [other.seq_id]
-
-
-async def test_an_http_stream_continues_across_a_memory_restart(model):
-    """The OpenAI API streams through the same engine: the real ``openai``
-    client sees a pause, then the text of the undisturbed run."""
-    import openai
-
-    stack = await start_stack(model, executors=1, num_blocks=128, block_size=4, memory_kw={"lease_s": 1.0},
-                              http={})
-    try:
-        client = openai.AsyncOpenAI(base_url=stack.gateway.http_url + "/v1", api_key="none", max_retries=0)
-        name = stack.gateway.http_context.served_model_name
-        kw = dict(model=name, prompt="The scientist said", max_tokens=64, temperature=0.9, seed=99, stream=True,
-                  extra_body={"ignore_eos": True})
-        want = "".join([c.choices[0].text async for c in await client.completions.create(**kw)])
-        before = _readmitted()
-        stream = await client.completions.create(**kw)
-        got, restarted = [], None
-        async for chunk in stream:
-            got.append(chunk.choices[0].text)
-            if restarted is None and len(got) >= 4:
-                restarted = asyncio.ensure_future(_restart_memory(stack))
-        await restarted
-        assert "".join(got) == want
-        assert chunk.choices[0].finish_reason == "length"
-        assert _readmitted() == before + 1  # it was mid-stream when the memory service went
-        await stack.wait_idle()
-    finally:
-        await stack.stop()
