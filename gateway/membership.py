@@ -180,7 +180,8 @@ class Executors:
     async def reregister_missing(self, pools: list[memory_pb2.ExecutorPoolInfo]) -> None:
         """After the memory service lost its registry (a cold restart): register
         again those of ``pools`` (the executors served through before the loss,
-        as they last registered) that it does not list and that are SERVING.
+        as they last registered) that it does not list and that still hold
+        that pool (their GetInfo: same incarnation and generation) and are SERVING.
         The same incarnation and generation make it a no-op for one that
         re-registered itself meanwhile (its own heartbeats go on); it spares
         the streams waiting for them a heartbeat period. A draining executor
@@ -195,7 +196,13 @@ class Executors:
                 continue
             probe = ExecutorClient(pool, tls=self._tls, token=self._token)
             try:
-                if not await probe.serving():
+                try:
+                    info = await probe.load_info(self.info_timeout_s)
+                except KvpagerError:
+                    continue  # down: it registers itself when (if) it comes back
+                # Only the very pool it registered (a new process there registers itself), and not draining.
+                if (info.executor_id, info.incarnation, info.pool_generation) != (
+                        pool.executor_id, pool.incarnation, pool.pool_generation) or not await probe.serving():
                     continue
                 await self.memory.register(pool)
                 registered += 1
