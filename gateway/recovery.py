@@ -155,6 +155,7 @@ class Recovery:
         movable = left or isinstance(cause, Unavailable)
         now = time.monotonic()
         moved = 0
+        stale: list[int] = []
         seqs = self._by_request(self.sequences.of_executor(ex.executor_id))
         ended: list[Ending] = [(r, None) for r in self.requests.values()
                                if r.executor_id == ex.executor_id and r not in seqs]
@@ -164,10 +165,14 @@ class Recovery:
                 ended.append((req, error or None))
                 continue
             req.executor_id = target.executor_id if target is not None else ex.executor_id
+            stale += [s.seq_id for s in group if s.created]
             self._rewind(group, req.executor_id)
             moved += 1
             for s in group:  # waiting since the first loss (a restarted memory service, then this)
                 self._lost[s] = _Lost(self._lost[s].since if s in self._lost else now, model)
+        # Dropped with ex, as a rule; but a listing read just before a restarted memory service
+        # registered ex again can arrive after sequences were admitted there: free them either way.
+        self.free_stale(stale)
         if moved:
             log.warning("requests moved to another executor" if target is not None else
                         "requests waiting for an executor of their model", executor_id=clip(ex.executor_id),

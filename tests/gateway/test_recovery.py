@@ -108,7 +108,9 @@ async def test_streams_continue_token_exact_across_a_cold_memory_restart(stack):
     gaps = [b - a for o in outs for c in o.completions.values()
             for a, b in zip(c.chunk_times, c.chunk_times[1:]) if b > t_kill]
     assert gaps and max(gaps) < 10, gaps  # paused, then went on (before the executor's own heartbeat)
-    assert _readmitted() - before == 5  # 4 requests, the last with n=2: every sequence once
+    # 4 requests, the last with n=2: every sequence at least once (twice when a listing read
+    # before the executor was registered again arrived after their re-admission)
+    assert _readmitted() - before in (5, 10)
     assert stack.gateway.engine.recovery.pending is False
     await stack.wait_idle()
     assert (await stack.accounting()).num_sequences == 0
@@ -134,7 +136,7 @@ async def test_an_http_stream_continues_across_a_memory_restart(stack):
     await restarted
     assert "".join(got) == want
     assert chunk.choices[0].finish_reason == "length"
-    assert _readmitted() == before + 1  # it was mid-stream when the memory service went
+    assert _readmitted() - before in (1, 2)  # it was mid-stream when the memory service went (see above)
     await stack.wait_idle()
 
 
