@@ -61,13 +61,38 @@ def load_backend(name: str) -> KernelBackend:
 class AttentionMetadata:
     """Everything one forward's attention layers need. Built per step; never global."""
 
-    slot_mapping: torch.Tensor     # [T] int32: where each new token's K/V goes
-    block_tables: torch.Tensor     # [S, MB] int32 (rows padded with block 0)
+    slot_mappings: list[torch.Tensor]  # per table group: [T] int32, where each new token's K/V goes
+    block_tables: list[torch.Tensor]   # per table group: [S, MB] int32 (rows padded with block 0)
     seq_lens: torch.Tensor         # [S] int32: context + new tokens
     query_start_loc: torch.Tensor  # [S + 1] int32
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache) views
     backend: KernelBackend
-    plan: object | None = None     # backend.plan_attention(...) of this batch, shared by every layer
+    layer_windows: list[int | None]  # per layer: its sliding window (None = full attention)
+    layer_groups: list[int]          # per layer: its table group (all 0 in the per-layer KV layout)
+    # backend.plan_attention(...) per (table group, window), shared by every layer of that pair
+    plans: dict[tuple[int, int | None], object] | None = None
+
+
+def plan_windows(backend: KernelBackend, windows: list[int | None], groups: list[int], batch,
+                 k_cache: torch.Tensor):
+    """One attention plan per distinct (table group, window) of the layers
+    (None when the backend plans nothing). batch: the ForwardBatch;
+    k_cache: [NB, BS, KVH, D], as every layer's."""
+    if backend.plan_attention is None:
+        return None
+    return {(g, w): backend.plan_attention(batch.tables_of(g), batch.seq_lens, batch.query_start_loc,
+                                           k_cache.shape[1], k_cache.shape[0], window=w)
+            for g, w in set(zip(groups, windows))}
+
+
+def attend(backend: KernelBackend, plans, group: int, window: int | None, q, k_cache, v_cache, block_tables,
+           seq_lens, query_start_loc, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """One layer's paged attention with its (group, window)'s plan. q: [T, H, D] -> [T, H, D]."""
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale))
+    kw = {"window": window, "softcap": softcap}
+    if plans is not None:
+        kw["plan"] = plans[(group, window)]
+    return backend.paged_attention(*args, **kw)
 
 
 def paged_attention_forward(
@@ -79,6 +104,8 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     kvpager_meta: AttentionMetadata | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The registered attention function.
@@ -86,7 +113,10 @@ def paged_attention_forward(
     query: [1, H, T, D]; key, value: [1, KVH, T, D] (one flattened row of all
     sequences' new tokens, RoPE already applied). Writes K/V into this layer's
     pool view, then attends causally over each sequence's cached context
-    (paged_attention masks by position itself; no mask tensor is built).
+    (paged_attention masks by position and window itself; no mask tensor is
+    built). ``sliding_window`` / ``softcap``: what the model code passes for
+    this layer (Mistral, Qwen2, Gemma 2); the window must be the one the
+    layer's KV spec says, since the block manager frees blocks by it.
     Returns ([1, T, H, D], None).
     """
     if kvpager_meta is None:
@@ -94,16 +124,23 @@ def paged_attention_forward(
     meta = kvpager_meta
     if query.shape[0] != 1:
         raise RuntimeError("kvpager_paged expects one flattened batch row")
+    if kwargs.get("s_aux") is not None:
+        raise RuntimeError("attention sinks (s_aux) are not supported by kvpager_paged")
+    layer = module.layer_idx
+    window = meta.layer_windows[layer]
+    if (sliding_window or None) != window:
+        raise RuntimeError(f"layer {layer}: the model passes sliding_window {sliding_window}, its KV spec says "
+                           f"{window}")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
     k = key[0].transpose(0, 1).contiguous()    # [T, KVH, D]
     v = value[0].transpose(0, 1).contiguous()  # [T, KVH, D]
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, float(scaling))
-    out = (meta.backend.paged_attention(*args) if meta.plan is None
-           else meta.backend.paged_attention(*args, plan=meta.plan))  # [T, H, D]
+    k_cache, v_cache = meta.kv_caches[layer]
+    group = meta.layer_groups[layer]
+    meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mappings[group])
+    out = attend(meta.backend, meta.plans, group, window, q, k_cache, v_cache, meta.block_tables[group],
+                 meta.seq_lens, meta.query_start_loc, scaling, softcap)  # [T, H, D]
     return out.unsqueeze(0), None
 
 

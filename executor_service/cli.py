@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from executor_service.config import BACKENDS, DTYPES, MODEL_IMPLS, ExecutorConfig
+from executor_service.config import BACKENDS, DTYPES, KV_LAYOUTS, MODEL_IMPLS, ExecutorConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
                    help="auto: kvpager's own Llama-family forward where it fits, else transformers' model code")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-layout", choices=KV_LAYOUTS, default="per-layer",
+                   help="per-layer: one block table for all layers; hybrid: a table per KV group (stand-alone only)")
     p.add_argument("--grace-s", type=float, default=5.0)
     from kvpager.security import add_security_arguments
     from kvpager.telemetry import add_observability_arguments
@@ -62,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         device=args.device,
         attention_backend=args.attention_backend,
         model_impl=args.model_impl,
+        kv_layout=args.kv_layout,
         max_model_len=args.max_model_len,
         grace_s=args.grace_s,
         tls=security.server_tls(),

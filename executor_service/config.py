@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 MODEL_IMPLS = ("auto", "kvpager", "transformers")
+KV_LAYOUTS = ("per-layer", "hybrid")  # executor_service.kv_layout
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class ExecutorConfig:
     attention_backend: str = "auto"         # auto: triton on CUDA, cpu (C++ kernel) on CPU, else torch
     model_impl: str = "auto"                # auto: our Llama forward where it fits, else transformers' code
     max_model_len: int | None = None        # default: the model's max_position_embeddings
+    kv_layout: str = "per-layer"            # per-layer | hybrid (a table per KV group; executor_service.kv_layout)
     grace_s: float = 5.0                    # graceful-stop window
     register_backoff_max_s: float = 5.0     # registration retry ceiling
     tls: TlsConfig | None = None            # serve TLS (mTLS with require_client_auth); None = insecure
@@ -62,6 +64,11 @@ class ExecutorConfig:
             raise ValueError(f"attention_backend must be one of {BACKENDS}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}")
+        if self.kv_layout == "hybrid" and self.memory_address:
+            raise ValueError("kv_layout 'hybrid' needs plans with a table per KV group, which the memory "
+                             "service does not make yet; serve with kv_layout 'per-layer'")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.kv_cache_gib <= 0:

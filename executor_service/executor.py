@@ -23,6 +23,7 @@ from executor_service.config import ExecutorConfig
 from executor_service.history import TokenHistories
 from executor_service.placeholders import LastSamples
 from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidates
+from executor_service.kv_layout import make_layout
 from executor_service.kv_pool import GIB, KvPool, block_bytes, device_pool_budget, num_blocks_for_bytes
 from executor_service.model_runner import ModelRunner, resolve_device
 from executor_service.sampler import sample
@@ -34,9 +35,9 @@ from executor_service.step import (
     build_sampling_inputs,
     check_step,
 )
-from executor_service.tables import BlockTables, Resolved
+from executor_service.tables import BlockTables, Resolved, TableChanges
 from executor_service.write_log import WriteLog
-from kvpager.errors import ResourceExhausted
+from kvpager.errors import InvalidArgument, ResourceExhausted
 from kvpager.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -67,6 +68,8 @@ class ExecutorInfo:
     incarnation: int = 0
     pool_generation: int = 0
     kv_pool_bytes: int = 0
+    kv_layout: str = ""
+    kv_groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (window or 0, layers)
 
 
 def new_incarnation() -> int:
@@ -119,8 +122,10 @@ class Executor:
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError("the triton backend on CPU needs TRITON_INTERPRET=1 (tests only)")
         self.max_model_len = self._max_model_len()
+        # Which pool slot and table group each layer uses (kv_layout.py): a block holds num_slots layers.
+        self.layout = make_layout(config.kv_layout, self.runner.layer_windows)
         per_block = block_bytes(
-            self.runner.num_layers, config.block_size, self.runner.num_kv_heads, self.runner.head_dim, self.runner.dtype
+            self.layout.num_slots, config.block_size, self.runner.num_kv_heads, self.runner.head_dim, self.runner.dtype
         )
         num_blocks = self._num_blocks(per_block)
         num_swap = config.swap_blocks
@@ -128,7 +133,7 @@ class Executor:
             num_swap = min(num_blocks // 2, num_blocks_for_bytes(SWAP_DEFAULT_MAX_BYTES, per_block))
         try:
             self.pool = KvPool(
-                num_layers=self.runner.num_layers,
+                num_layers=self.layout.num_slots,
                 num_blocks=num_blocks,
                 block_size=config.block_size,
                 num_kv_heads=self.runner.num_kv_heads,
@@ -140,7 +145,8 @@ class Executor:
             )
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
             raise ResourceExhausted(f"cannot allocate a KV pool of {num_blocks} blocks: {exc}") from exc
-        self._kv_caches = self.pool.layer_caches()
+        slots = self.pool.layer_caches()
+        self._kv_caches = [slots[s] for s in self.layout.layer_slot]  # per layer: its slot's (k, v) views
         self.max_model_len = self._fit_model_len(num_blocks * config.block_size)
         self.executor_id = config.executor_id
         self.model_id = config.model_id or Path(config.model).resolve().name
@@ -149,7 +155,12 @@ class Executor:
         self.last_step_id = 0  # step_id of the last Execute this pool applied (ConfirmPool; 0 = none)
         self.write_log = WriteLog(self.pool.block_size)  # blocks recent steps wrote (ConfirmPool)
         # The running sequences' block tables: kept here, changed by each plan (docs/executor.md).
-        self.tables = BlockTables(num_blocks, config.block_size, self.max_model_len)
+        self.tables = BlockTables(num_blocks, config.block_size, self.max_model_len,
+                                  window=self.layout.groups[0].window)
+        # The hybrid layout's other table groups (a sliding group's tables may hold holes).
+        self.group_tables = [BlockTables(num_blocks, config.block_size, self.max_model_len, window=g.window)
+                             for g in self.layout.groups[1:]]
+        self._layer_groups = self.layout.layer_group if self.group_tables else None
         # The penalised sequences' tokens, following the same plans (history.py).
         self.histories = TokenHistories()
         # Its last step's one-token samples: the next step's placeholder tokens (placeholders.py).
@@ -232,6 +243,8 @@ class Executor:
             incarnation=self.incarnation,
             pool_generation=self.pool_generation,
             kv_pool_bytes=self.pool.kv_pool_bytes,
+            kv_layout=self.layout.name,
+            kv_groups=[(g.window or 0, g.layers) for g in self.layout.groups],
         )
 
     def confirm_pool(self, incarnation: int, pool_generation: int) -> bool:
@@ -259,15 +272,19 @@ class Executor:
             step = self.last_samples.fill(step)
             resolved = self.tables.resolve(step.table_epoch, step.tables, step.seq_ids, step.query_lens,
                                            step.context_lens)
+            extra = self._resolve_groups(step)
             histories = self.histories.resolve(step, resolved)
             # Recorded before anything is touched: a ConfirmPool racing this step sees it.
             self.last_step_id = step.step_id
-            self.write_log.record(step.step_id, resolved.slot_mapping, step.cache_ops.copy_dst,
-                                  step.cache_ops.swap_in_dst)
+            written = (resolved.slot_mapping if not extra
+                       else np.concatenate([resolved.slot_mapping] + [r.slot_mapping for r in extra]))
+            self.write_log.record(step.step_id, written, step.cache_ops.copy_dst, step.cache_ops.swap_in_dst)
             self.tables.commit(resolved, step.seq_ids, step.query_lens)
+            for tables, r in zip(self.group_tables, extra):
+                tables.commit(r, step.seq_ids, step.query_lens)
             self.histories.commit(histories)
             try:
-                out = self._run(step, resolved, histories.rows)
+                out = self._run(step, resolved, histories.rows, extra)
                 self.last_samples.record(step, out)
                 return out
             except Exception as exc:
@@ -277,6 +294,8 @@ class Executor:
                 self.last_step_id = 0  # a new generation has applied nothing yet
                 self.write_log.reset()
                 self.tables.clear()
+                for tables in self.group_tables:
+                    tables.clear()
                 self.histories.clear()
                 self.last_samples.clear()
                 if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
@@ -291,7 +310,22 @@ class Executor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _run(self, step: StepInput, resolved: Resolved, histories: dict) -> StepOutput:
+    def _resolve_groups(self, step: StepInput) -> list[Resolved]:
+        """The hybrid layout's other table groups, resolved like group 0 (their
+        starts and extends; group 0's forks and drops)."""
+        if len(step.group_tables) != len(self.group_tables):
+            raise InvalidArgument(f"plan.group_tables: this executor's KV layout has {len(self.group_tables)} "
+                                  f"more table groups, the plan carries {len(step.group_tables)}")
+        out = []
+        for tables, changes in zip(self.group_tables, step.group_tables):
+            merged = TableChanges(step.tables.forks, step.tables.dropped, changes.started_seq_ids,
+                                  changes.started_context_lens, changes.started_offsets, changes.started_block_ids,
+                                  changes.extended_seq_ids, changes.extended_first_index, changes.extended_offsets,
+                                  changes.extended_block_ids)
+            out.append(tables.resolve(step.table_epoch, merged, step.seq_ids, step.query_lens, step.context_lens))
+        return out
+
+    def _run(self, step: StepInput, resolved: Resolved, histories: dict, extra: list[Resolved]) -> StepOutput:
         ops = step.cache_ops
         t0 = time.perf_counter()
         if ops.num_ops:
@@ -305,8 +339,8 @@ class Executor:
             torch.set_num_threads(threads)
         sampling = step.sampling
         if num_tokens:
-            batch = build_forward_batch(step, resolved, self.device)
-            logits = self.runner.forward(batch, self._kv_caches, self.backend)  # [R, V]
+            batch = build_forward_batch(step, resolved, self.device, [resolved, *extra] if extra else None)
+            logits = self.runner.forward(batch, self._kv_caches, self.backend, self._layer_groups)  # [R, V]
             self._sync()
         t2 = time.perf_counter()
         top_counts = np.zeros(n, np.int64)

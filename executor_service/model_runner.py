@@ -15,10 +15,16 @@ from pathlib import Path
 import torch
 
 from executor_service.attention import KernelBackend, register_attention
+from executor_service.kv_specs import kv_groups, layer_windows
 from executor_service.models import llama
 from executor_service.models.hf import HFModel
+from kvpager.telemetry import get_logger
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+log = get_logger(__name__)
+
+# gemma2 / gemma3_text: transformers' model code (soft-capping, scaling,
+# local/global RoPE) with our paged attention registered into it.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text")
 MODEL_IMPLS = ("auto", "kvpager", "transformers")
 
 
@@ -33,6 +39,15 @@ class ForwardBatch:
     seq_lens: torch.Tensor         # [S] int32: context + query
     query_start_loc: torch.Tensor  # [S + 1] int32
     logits_indices: torch.Tensor   # [R] int64: token rows whose logits are needed
+    # Per table group of the KV layout (group 0 = block_tables / slot_mapping).
+    group_block_tables: list[torch.Tensor] | None = None  # [S, MB_g] int32 each
+    group_slot_mappings: list[torch.Tensor] | None = None  # [T] int32 each
+
+    def tables_of(self, group: int) -> torch.Tensor:
+        return self.block_tables if self.group_block_tables is None else self.group_block_tables[group]
+
+    def slots_of(self, group: int) -> torch.Tensor:
+        return self.slot_mapping if self.group_slot_mappings is None else self.group_slot_mappings[group]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -89,11 +104,17 @@ class ModelRunner:
         self.head_dim: int = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
         self.vocab_size: int = text.vocab_size
         self.max_position_embeddings: int = text.max_position_embeddings
-        # Paged attention has no sliding window: serve at most one window.
-        window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
-        self.max_model_len: int = min(self.max_position_embeddings, window or self.max_position_embeddings)
+        # Each layer's sliding window (None = full attention), as transformers
+        # masks it; paged attention honours it, so the context limit is the
+        # model's own, never the window.
+        self.layer_windows: list[int | None] = layer_windows(text)
+        self.kv_groups = kv_groups(text)
+        self.max_model_len: int = self.max_position_embeddings
+        if any(g.sliding for g in self.kv_groups):
+            log.info("sliding-window attention", groups=[(g.window, len(g.layers)) for g in self.kv_groups],
+                     max_model_len=self.max_model_len)
         self.eos_token_ids: list[int] = _eos_ids(self.model, text)
-        self.model_impl, self.impl = _choose_impl(model_impl, self.model, text)
+        self.model_impl, self.impl = _choose_impl(model_impl, self.model, text, self.layer_windows)
         self.num_packed_linears = getattr(self.impl, "num_packed_linears", 0)
         if self.model_impl != "transformers":
             self.model = None  # our forward holds what it needs; the module tree's weights can go
@@ -107,25 +128,27 @@ class ModelRunner:
         batch: ForwardBatch,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: KernelBackend,
+        layer_groups: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Writes the batch's K/V into the pool and returns logits [R, V] fp32
-        for ``batch.logits_indices``."""
-        return self.impl.forward(batch, kv_caches, backend)
+        for ``batch.logits_indices``. layer_groups: each layer's table group
+        of the KV layout (None: one table for every layer)."""
+        return self.impl.forward(batch, kv_caches, backend, layer_groups)
 
 
-def _choose_impl(requested: str, hf_model, text_config):
+def _choose_impl(requested: str, hf_model, text_config, windows: list[int | None]):
     """``auto``: our own Llama forward where it reproduces the config, else
     transformers' code; ``kvpager`` insists on ours (an error says why not)."""
     if requested not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {requested!r}")
     if requested != "transformers":
         try:
-            impl = llama.LlamaModel(hf_model, text_config)
+            impl = llama.LlamaModel(hf_model, text_config, windows)
             return "kvpager", impl
         except llama.Unsupported as exc:
             if requested == "kvpager":
                 raise ValueError(f"model_impl 'kvpager' cannot serve this checkpoint: {exc}") from exc
-    return "transformers", HFModel(hf_model)
+    return "transformers", HFModel(hf_model, windows)
 
 
 def _eos_ids(model, text_config) -> list[int]:

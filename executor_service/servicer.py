@@ -88,6 +88,7 @@ def step_from_proto(req: executor_pb2.ExecuteRequest) -> StepInput:
         token_ids=_i32(req.token_ids, "token_ids"),
         table_epoch=plan.table_epoch,
         tables=tables_from_proto(plan.tables),
+        group_tables=[tables_from_proto(t) for t in plan.group_tables],
         context_lens=_opt(req.context_lens, _i32, "context_lens"),
         cache_ops=cache_ops_from_proto(plan.cache_ops),
         prev_step_id=req.prev_step_id,
@@ -205,6 +206,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
             incarnation=info.incarnation,
             pool_generation=info.pool_generation,
             kv_pool_bytes=info.kv_pool_bytes,
+            kv_layout=info.kv_layout,
+            kv_groups=[executor_pb2.KvGroupInfo(window=w, layers=list(layers)) for w, layers in info.kv_groups],
         )
 
     async def ConfirmPool(self, request, context):

@@ -101,6 +101,8 @@ class StepInput:
     token_ids: np.ndarray            # int32 [sum(query_lens)]
     table_epoch: int = 0             # the plan's; another one voids the tables first
     tables: TableChanges = field(default_factory=TableChanges)
+    # The hybrid KV layout: tables of groups 1, 2, … (starts and extends; forks and drops are ``tables``').
+    group_tables: list[TableChanges] = field(default_factory=list)
     context_lens: np.ndarray | None = None  # int32 [n]: the gateway's count, checked against the tables
     incarnation: int = 0             # 0 = unchecked
     cache_ops: CacheOps = field(default_factory=CacheOps)
@@ -298,8 +300,10 @@ def sampled_rows(step: StepInput) -> np.ndarray:
     return np.nonzero((s.num_samples > 0) | (s.num_top_logprobs > 0))[0]
 
 
-def build_forward_batch(step: StepInput, resolved: Resolved, device: torch.device) -> ForwardBatch:
-    """Device tensors for a checked, resolved step."""
+def build_forward_batch(step: StepInput, resolved: Resolved, device: torch.device,
+                        groups: list[Resolved] | None = None) -> ForwardBatch:
+    """Device tensors for a checked, resolved step. groups: the resolved
+    tables of every table group (the hybrid layout; group 0 is ``resolved``)."""
     q = step.query_lens.astype(np.int64)
     ctx = resolved.context_lens
     n, num_tokens = len(q), int(q.sum())
@@ -312,11 +316,16 @@ def build_forward_batch(step: StepInput, resolved: Resolved, device: torch.devic
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
+    groups = groups or [resolved]
+    tables = [dev(r.tables, torch.int32) for r in groups]
+    slots = [dev(r.slot_mapping, torch.int32) for r in groups]
     return ForwardBatch(
+        group_block_tables=tables,
+        group_slot_mappings=slots,
         input_ids=dev(step.token_ids, torch.int64),
         positions=dev(positions, torch.int64),
-        slot_mapping=dev(resolved.slot_mapping, torch.int32),
-        block_tables=dev(resolved.tables, torch.int32),
+        slot_mapping=slots[0],
+        block_tables=tables[0],
         seq_lens=dev(ctx + q, torch.int32),
         query_start_loc=dev(qsl, torch.int32),
         logits_indices=dev(logits_indices, torch.int64),

@@ -16,6 +16,11 @@ here), starts (the whole table and the tokens already in cache), extends
 (``table[first:]`` replaced). A plan of another ``table_epoch`` (another
 registration of this pool, another memory service) voids every table
 first.
+
+A sliding-window group's tables (``window`` set; the hybrid KV layout) may
+hold holes (-1): blocks its window has passed, given back by the memory
+service. A row may then read or write no hole: every block from its first
+query's window on must be real.
 """
 
 from __future__ import annotations
@@ -69,8 +74,13 @@ def _check_ranges(offsets: np.ndarray, num_rows: int, num_values: int, what: str
         raise InvalidArgument(f"tables.{what}_offsets must rise from 0 to {num_values} over {num_rows} rows")
 
 
+HOLE = -1  # a sliding-window group's table entry whose block the window passed
+
+
 class BlockTables:
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, capacity: int = 64) -> None:
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, capacity: int = 64,
+                 window: int | None = None) -> None:
+        self.window = window  # sliding window of this table group (holes allowed); None = full attention
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -111,8 +121,9 @@ class BlockTables:
         return self._tables[r, : self._lengths[r]], int(self._computed[r])
 
     def _check_ids(self, ids: np.ndarray, what: str) -> None:
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
-            bad = ids[(ids < 0) | (ids >= self.num_blocks)][0]
+        low = HOLE if self.window is not None else 0
+        if len(ids) and (int(ids.min()) < low or int(ids.max()) >= self.num_blocks):
+            bad = ids[(ids < low) | (ids >= self.num_blocks)][0]
             raise InvalidArgument(f"tables.{what}: block id {int(bad)} outside [0, {self.num_blocks})")
 
     def _check_width(self, seq_id: int, num_blocks: int) -> None:
@@ -208,6 +219,14 @@ class BlockTables:
             tables[i, : len(ids)] = ids
         num_tokens = int(q.sum())
         bs = self.block_size
+        if self.window is not None and n:
+            # Every block a row reads (from its first query's window on) or writes must be real.
+            first = np.maximum(ctx - self.window + 1, 0) // bs              # [n]
+            cols = np.arange(width)[None, :]
+            read = (cols >= first[:, None]) & (cols < -(-total // bs)[:, None])
+            if np.any(read & (tables < 0)):
+                i = int(np.argmax(np.any(read & (tables < 0), axis=1)))
+                raise InvalidArgument(f"sequence {int(seq_ids[i])}: a block its window reads is a hole (-1)")
         if num_tokens:
             row_of = np.repeat(np.arange(n), q)                               # [T]
             pos = np.arange(num_tokens) - np.repeat(np.cumsum(q) - q, q) + ctx[row_of]  # [T]

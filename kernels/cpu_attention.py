@@ -36,18 +36,19 @@ class CpuAttentionPlan:
 
     short_seqs: torch.Tensor                  # [Ss] int64: sequences for the in-place kernel
     long_chunks: list = field(default_factory=list)  # [reference._Prefill]: gathered once, SDPA
+    window: int | None = None                     # the sliding window it was planned for
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   block_size: int, num_blocks: int) -> CpuAttentionPlan:
+                   block_size: int, num_blocks: int, window: int | None = None) -> CpuAttentionPlan:
     qsl = query_start_loc.to(torch.int64)
     lens = seq_lens.to(torch.int64)
     q_lens = qsl[1:] - qsl[:-1]
     short = torch.nonzero(q_lens <= SHORT_QUERY).flatten()
-    plan = CpuAttentionPlan(short_seqs=short.contiguous())
+    plan = CpuAttentionPlan(short_seqs=short.contiguous(), window=window)
     for s in torch.nonzero(q_lens > SHORT_QUERY).flatten().tolist():
         plan.long_chunks.append(reference._plan_prefill(block_tables, s, qsl, lens, block_size, num_blocks,
-                                                        block_tables.device))
+                                                        block_tables.device, window))
     return plan
 
 
@@ -61,9 +62,12 @@ def paged_attention(
     scale: float,
     out: Optional[torch.Tensor] = None,
     plan: Optional[CpuAttentionPlan] = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``kernels.reference.paged_attention`` computed in place (see the module
-    docstring). q: [T, H, D] -> [T, H, D] in q.dtype."""
+    docstring), with the same sliding ``window`` and ``softcap``.
+    q: [T, H, D] -> [T, H, D] in q.dtype."""
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -72,10 +76,14 @@ def paged_attention(
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
     if plan is None:
-        plan = plan_attention(tables, lens, qsl, k_cache.shape[1], k_cache.shape[0])
+        plan = plan_attention(tables, lens, qsl, k_cache.shape[1], k_cache.shape[0], window)
+    elif plan.window != window:
+        raise ValueError(f"attention plan made for window {plan.window}, called with {window}")
     if plan.short_seqs.numel():
+        # 0 = no window / no soft-capping in the C++ signature.
         torch.ops.kvpager_cpu.paged_attention(out, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
-                                              qsl.contiguous(), plan.short_seqs, float(scale))
+                                              qsl.contiguous(), plan.short_seqs, float(scale), int(window or 0),
+                                              float(softcap or 0.0))
     for c in plan.long_chunks:
-        reference._attend_prefill(q, k_cache, v_cache, c, scale, out)
+        reference._attend_prefill(q, k_cache, v_cache, c, scale, out, softcap)
     return out

@@ -84,15 +84,30 @@ class _Gather:
 
 
 def _gather_plan(block_table: torch.Tensor, max_len: int, lengths: Optional[torch.Tensor], block_size: int,
-                 num_blocks: int) -> _Gather:
+                 num_blocks: int, first_blocks: torch.Tensor | None = None,
+                 skip: torch.Tensor | None = None) -> _Gather:
+    """first_blocks: [S] int64, the table index each sequence's gather starts
+    at (a sliding window's first block; None = 0), so ``lengths`` and
+    ``max_len`` count tokens from that block on; skip: [S] int64 leading
+    tokens of the first block to zero (before the window)."""
     n_blocks = (max_len + block_size - 1) // block_size
-    # Table entries past a sequence's last block may be padding (e.g. -1);
-    # clamp them to a valid id: those positions are zeroed anyway.
-    table = block_table[:, :n_blocks].to(torch.int64).clamp(0, num_blocks - 1)
+    if first_blocks is None:
+        table = block_table[:, :n_blocks]
+    else:
+        cols = first_blocks[:, None] + torch.arange(n_blocks, device=block_table.device)[None, :]  # [S, n]
+        table = block_table.gather(1, cols.clamp(max=block_table.shape[1] - 1))
+    # Table entries past a sequence's last block (or before its window) may
+    # be padding (e.g. -1); clamp them to a valid id: those positions are zeroed.
+    table = table.to(torch.int64).clamp(0, num_blocks - 1)
     s, width = table.shape[0], n_blocks * block_size
     pad_rows = None
-    if lengths is not None:
-        pad = torch.arange(width, device=table.device)[None, :] >= lengths[:, None]  # [S, width]
+    if lengths is not None or skip is not None:
+        j = torch.arange(width, device=table.device)[None, :]
+        pad = torch.zeros((s, width), dtype=torch.bool, device=table.device)
+        if lengths is not None:
+            pad |= j >= lengths[:, None]  # [S, width]
+        if skip is not None:
+            pad |= j < skip[:, None]
         pad_rows = pad.reshape(-1).nonzero().squeeze(1)
         if pad_rows.numel() == 0:
             pad_rows = None
@@ -154,14 +169,22 @@ class AttentionPlan:
 
     decodes: list = field(default_factory=list)   # [_DecodeGroup]
     prefills: list = field(default_factory=list)  # [_Prefill]
+    window: int | None = None                  # the sliding window it was planned for
+
+
+def window_start(first_query_pos: int, window: int | None) -> int:
+    """The first key position any query at or after ``first_query_pos`` sees
+    (transformers' sliding window: key > query - window)."""
+    return 0 if window is None else max(0, first_query_pos - window + 1)
 
 
 def plan_attention(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
-    num_blocks: int,
+    num_blocks: int, window: int | None = None,
 ) -> AttentionPlan:
-    """The layer-independent part of ``paged_attention`` (same arguments)."""
-    plan = AttentionPlan()
+    """The layer-independent part of ``paged_attention`` (same arguments):
+    one plan per distinct ``window`` of the model's layers."""
+    plan = AttentionPlan(window=window)
     device = block_tables.device
     # One host sync for the whole batch: the sequence lengths decide shapes.
     qsl = query_start_loc.to(torch.int64).cpu()
@@ -176,44 +199,86 @@ def plan_attention(
     # ~2x the context of a typical mixed batch).
     decode_idx = torch.nonzero(q_lens == 1).flatten()
     if decode_idx.numel() > 0:
-        for group in _length_groups(lens[decode_idx]):
+        # Under a window a decode reads from its window's first block on:
+        # ``first`` blocks are skipped, ``skip`` tokens of the next one masked.
+        first_tok = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
+        first_blk = torch.div(first_tok, block_size, rounding_mode="floor")
+        span = lens - first_blk * block_size  # [S] tokens gathered from the first block on
+        for group in _length_groups(span[decode_idx]):
             seqs = decode_idx[group]  # [Sd] sequence indices
-            d_lens = lens[seqs]
-            max_len = int(d_lens.max())
-            seqs_dev, d_lens_dev = seqs.to(device), d_lens.to(device)
-            mask = torch.arange(max_len, device=device)[None, :] < d_lens_dev[:, None]
+            d_span = span[seqs]
+            max_len = int(d_span.max())
+            seqs_dev, d_span_dev = seqs.to(device), d_span.to(device)
+            j = torch.arange(max_len, device=device)[None, :]
+            mask = j < d_span_dev[:, None]
+            first = skip = None
+            if window is not None:
+                first = first_blk[seqs].to(device)
+                skip = (first_tok[seqs] - first_blk[seqs] * block_size).to(device)
+                mask &= j >= skip[:, None]
             plan.decodes.append(_DecodeGroup(
                 rows=qsl[:-1][seqs].to(device), mask=mask[:, None, None, :],
-                gather=_gather_plan(block_tables[seqs_dev], max_len, d_lens_dev, block_size, num_blocks)))
+                gather=_gather_plan(block_tables[seqs_dev], max_len, d_span_dev, block_size, num_blocks,
+                                    first, skip)))
     for s in torch.nonzero(q_lens > 1).flatten().tolist():
-        plan.prefills.append(_plan_prefill(block_tables, s, qsl, lens, block_size, num_blocks, device))
+        plan.prefills.append(_plan_prefill(block_tables, s, qsl, lens, block_size, num_blocks, device, window))
     return plan
 
 
-def _plan_prefill(block_tables, s: int, qsl, lens, block_size: int, num_blocks: int, device) -> _Prefill:
-    """Sequence s's chunk: its query rows, the mask and its context's gather."""
+def _plan_prefill(block_tables, s: int, qsl, lens, block_size: int, num_blocks: int, device,
+                  window: int | None = None) -> _Prefill:
+    """Sequence s's chunk: its query rows, the mask and its context's gather
+    (from the first block its first query's window reaches)."""
     start, stop = int(qsl[s]), int(qsl[s + 1])
     n_q, n_kv = stop - start, int(lens[s])
+    first_tok = window_start(n_kv - n_q, window)
+    base = first_tok // block_size * block_size  # first gathered position
     mask = None
-    if n_q != n_kv:  # a chunk after cached context: causal, aligned to the end
+    if n_q != n_kv or window is not None:  # causal aligned to the end, and/or windowed
         q_pos = torch.arange(n_kv - n_q, n_kv, device=device)  # [Q]
-        mask = torch.arange(n_kv, device=device)[None, :] <= q_pos[:, None]  # [Q, L]
-    return _Prefill(start, stop, mask, _gather_plan(block_tables[s : s + 1], n_kv, None, block_size, num_blocks))
+        k_pos = torch.arange(base, n_kv, device=device)  # [L']
+        mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L']
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+    if base == 0:
+        gather = _gather_plan(block_tables[s : s + 1], n_kv, None, block_size, num_blocks)
+    else:
+        first = torch.tensor([base // block_size], device=block_tables.device)
+        skip = torch.tensor([first_tok - base], device=block_tables.device)
+        gather = _gather_plan(block_tables[s : s + 1], n_kv - base, None, block_size, num_blocks, first, skip)
+    return _Prefill(start, stop, mask, gather)
 
 
-def _attend_prefill(q, k_cache, v_cache, p: _Prefill, scale: float, out: torch.Tensor) -> None:
+def _attend_prefill(q, k_cache, v_cache, p: _Prefill, scale: float, out: torch.Tensor,
+                    softcap: float | None = None) -> None:
     """One chunk: its context gathered once, then SDPA; writes out[p.start:p.stop]."""
     k = _gather(k_cache, p.gather)  # [1, L, KVH, D]
     v = _gather(v_cache, p.gather)
     qs = q[p.start : p.stop].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
     # No cached context: plain causal (the kernel skips masked blocks).
-    o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), p.mask, scale, is_causal=p.mask is None)
+    o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), p.mask, scale, is_causal=p.mask is None,
+                softcap=softcap)
     out[p.start : p.stop] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def _attend_softcap(q, k, v, mask: Optional[torch.Tensor], scale: float, softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's logit soft-capping (SDPA has none):
+    scores = softcap * tanh(q.k * scale / softcap), then masked softmax.
+    q: [B, H, M, D]; k, v: [B, KVH, N, D] fp32 -> [B, H, M, D]."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, M, N]
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None:  # causal, M == N
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
 
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-    is_causal: bool = False,
+    is_causal: bool = False, softcap: float | None = None,
 ) -> torch.Tensor:
     """fp32 masked attention with GQA.
 
@@ -222,6 +287,8 @@ def _attend(
     -> [B, H, M, D] fp32.
     """
     q, k, v = q.float(), k.float(), v.float()
+    if softcap:
+        return _attend_softcap(q, k, v, mask, scale, softcap)
     group = q.shape[1] // k.shape[1]
     if group == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal)
@@ -245,6 +312,8 @@ def paged_attention(
     scale: float,
     out: Optional[torch.Tensor] = None,
     plan: Optional[AttentionPlan] = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of flattened new tokens over the paged cache.
 
@@ -252,8 +321,11 @@ def paged_attention(
     block_tables: [S, MB] int32; seq_lens: [S] int32 (total context incl. the
     new tokens); query_start_loc: [S + 1] int32 cumulative query lengths.
     Query token j of seq s sits at absolute position seq_lens[s] - q_len[s] + j
-    and attends to positions <= its own. ``plan``: ``plan_attention`` of the
-    same arguments, to share across layers (built here when None).
+    and attends to positions <= its own, and with a sliding ``window`` only to
+    positions > its own - window (table entries of blocks no query's window
+    reaches are never read: they may be padding). ``softcap``: Gemma 2's
+    logit soft-capping (None = off). ``plan``: ``plan_attention`` of the
+    same arguments and window, to share across layers (built here when None).
     Returns [T, H, D] in q.dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -263,7 +335,9 @@ def paged_attention(
         return out
     if plan is None:
         plan = plan_attention(block_tables.to(q.device), seq_lens, query_start_loc, k_cache.shape[1],
-                              k_cache.shape[0])
+                              k_cache.shape[0], window)
+    elif plan.window != window:
+        raise ValueError(f"attention plan made for window {plan.window}, called with {window}")
     kvh = k_cache.shape[2]
     for d in plan.decodes:
         k = _gather(k_cache, d.gather)  # [Sd, L, KVH, D]
@@ -273,10 +347,10 @@ def paged_attention(
         # no causal mask, so the group becomes a short query block:
         # q [Sd, KVH, G, D] against k [Sd, KVH, L, D] (the fastest CPU form).
         qd = q.index_select(0, d.rows).reshape(sd, kvh, num_heads // kvh, head_dim)
-        o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), d.mask, scale)
+        o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), d.mask, scale, softcap=softcap)
         out.index_copy_(0, d.rows, o.reshape(sd, num_heads, head_dim).to(out.dtype))
     for p in plan.prefills:
-        _attend_prefill(q, k_cache, v_cache, p, scale, out)
+        _attend_prefill(q, k_cache, v_cache, p, scale, out, softcap)
     return out
 
 

@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["PagedBatch", "make_paged_batch", "contiguous_attention"]
+__all__ = ["PagedBatch", "make_paged_batch", "contiguous_attention", "drop_out_of_window"]
 
 
 @dataclass
@@ -115,13 +115,37 @@ def make_paged_batch(
     )
 
 
-def contiguous_attention(batch: PagedBatch) -> torch.Tensor:
+def drop_out_of_window(batch: PagedBatch, window: int) -> int:
+    """What a sliding-window block manager does: table entries of blocks that
+    no query of the sequence can see (wholly before its first query's window)
+    become -1, and those blocks are filled with NaN, so a kernel that reads
+    one poisons its output. Returns how many entries were dropped."""
+    block_size = batch.k_cache.shape[1]
+    starts = batch.query_start_loc.tolist()
+    dropped = 0
+    for s, length in enumerate(batch.seq_lens.tolist()):
+        first_query = length - (starts[s + 1] - starts[s])
+        n = max(0, first_query - window + 1) // block_size  # blocks wholly before the window
+        for b in range(n):
+            blk = int(batch.block_tables[s, b])
+            batch.pool[:, :, blk] = float("nan")
+            batch.block_tables[s, b] = -1
+            dropped += 1
+    return dropped
+
+
+def contiguous_attention(batch: PagedBatch, window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """Independent expected output: per sequence, torch SDPA (fp32) on the
     contiguous context with a causal mask aligned to the *end* of the context
-    (query j of a q_len-token chunk sees keys 0 .. L - q_len + j).
+    (query j of a q_len-token chunk sees keys 0 .. L - q_len + j); with a
+    sliding ``window`` only keys > its position - window, with ``softcap``
+    explicit soft-capped scores (as transformers' eager Gemma 2 attention).
 
     Returns [T, H, D] fp32. Deliberately a plain per-sequence loop.
     """
+    if window is not None or softcap is not None:
+        return _windowed_attention(batch, window, softcap)
     q_all = batch.q.float()
     num_heads = q_all.shape[1]
     out = torch.empty_like(q_all)
@@ -136,4 +160,34 @@ def contiguous_attention(batch: PagedBatch) -> torch.Tensor:
         mask = torch.ones(n_q, n_kv, dtype=torch.bool, device=q.device).tril(diagonal=n_kv - n_q)
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=batch.scale)
         out[starts[s]:starts[s + 1]] = o.transpose(0, 1)
+    return out
+
+
+def _windowed_attention(batch: PagedBatch, window: int | None, softcap: float | None) -> torch.Tensor:
+    """contiguous_attention's window / soft-capping case: explicit scores per
+    query token, only the keys it may see gathered (so dropped blocks are
+    never read here either)."""
+    q_all = batch.q.float()
+    out = torch.empty_like(q_all)
+    starts = batch.query_start_loc.tolist()
+    block_size = batch.k_cache.shape[1]
+    for s in range(len(starts) - 1):
+        length = int(batch.seq_lens[s])
+        n_q = starts[s + 1] - starts[s]
+        table = batch.block_tables[s].to(torch.int64)
+        for j in range(n_q):
+            pos = length - n_q + j
+            lo = 0 if window is None else max(0, pos - window + 1)
+            keys = torch.arange(lo, pos + 1)
+            blocks = table[keys // block_size]
+            k = batch.k_cache[blocks, keys % block_size].float()  # [N, KVH, D]
+            v = batch.v_cache[blocks, keys % block_size].float()
+            group = q_all.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, N, D]
+            v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+            q = q_all[starts[s] + j][:, None, :]  # [H, 1, D]
+            scores = (q @ k.transpose(1, 2)) * batch.scale  # [H, 1, N]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[starts[s] + j] = (torch.softmax(scores, dim=-1) @ v)[:, 0]
     return out

@@ -33,10 +33,22 @@ _NEG_BIG = -1.0e30
 
 
 @triton.jit
+def _scores(s, scale, softcap, SOFTCAP: tl.constexpr):
+    """Raw dot products -> log2-domain scores, soft-capped (Gemma 2) when
+    SOFTCAP: cap * tanh(s * scale / cap), tanh written with exp (exact at
+    the saturated ends: 2 / (inf + 1) = 0)."""
+    if SOFTCAP:
+        x = s * (scale / softcap)
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+        return s * 1.4426950408889634
+    return s * (scale * 1.4426950408889634)  # fold log2(e): softmax via exp2
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale, num_seqs, head_dim,
+    scale, num_seqs, head_dim, window, softcap,
     stride_q_t, stride_q_h, stride_q_d,
     stride_o_t, stride_o_h, stride_o_d,
     stride_kc_b, stride_kc_t, stride_kc_h, stride_kc_d,
@@ -51,6 +63,8 @@ def _prefill_kernel(
     DIM_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr,
     NEG_BIG: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # grid: (query tiles, kv heads). A program owns BLOCK_Q query tokens of one
     # sequence times the QUERIES_PER_KV query heads sharing one kv head, so
@@ -93,17 +107,21 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, DP]
     if DOT_FP32:
         q = q.to(tl.float32)
-    qk_scale = scale * 1.4426950408889634  # fold log2(e): softmax via exp2
 
-    # Keys past this tile's last query are causally masked for every row.
+    # Keys past this tile's last query are causally masked for every row;
+    # under a sliding window, keys before its first query's window too
+    # (their blocks are never read: the table may hold padding there).
     kv_end = tl.minimum(ctx_len + first_q + BLOCK_Q, seq_len)
     kv_end = tl.where(first_q < q_len, kv_end, 0)  # trailing spare tile: no work
+    kv_lo = ctx_len * 0
+    if WINDOW:
+        kv_lo = tl.maximum(ctx_len + first_q - window + 1, 0)
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table_row = block_tables_ptr + seq * stride_bt_s
-    for start in range(0, kv_end, TILE_N):
+    for start in range(kv_lo, kv_end, TILE_N):
         pos = start + tl.arange(0, TILE_N).to(tl.int64)  # [N]
         pos_ok = pos < kv_end
         # Per-token block lookup, so a tile may span several small blocks.
@@ -120,8 +138,10 @@ def _prefill_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale  # [M, N]
+        s = _scores(s, scale, softcap, SOFTCAP)  # [M, N]
         valid = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if WINDOW:
+            valid = valid & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(valid, s, NEG_BIG)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # where(): a row with no valid key yet has m_new == NEG_BIG and would
@@ -146,7 +166,7 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     part_o_ptr, part_m_ptr, part_l_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale, head_dim, partition_size,
+    scale, head_dim, partition_size, window, softcap,
     stride_q_t, stride_q_h, stride_q_d,
     stride_kc_b, stride_kc_t, stride_kc_h, stride_kc_d,
     stride_vc_b, stride_vc_t, stride_vc_h, stride_vc_d,
@@ -160,6 +180,8 @@ def _decode_split_kernel(
     DIM_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr,
     NEG_BIG: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # grid: (seqs, kv heads, partitions). Flash-decoding: each program attends
     # the single decode query (all QUERIES_PER_KV heads of one kv head, padded
@@ -184,9 +206,14 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, DP]
     if DOT_FP32:
         q = q.to(tl.float32)
-    qk_scale = scale * 1.4426950408889634
 
-    part_start = part * partition_size
+    # Partitions tile the keys the decode sees: from 0, or under a window
+    # from seq_len - window (the decode at seq_len - 1 sees keys > its
+    # position - window), so no program is spent on keys it cannot see.
+    base = seq_len * 0
+    if WINDOW:
+        base = tl.maximum(seq_len - window, 0)
+    part_start = base + part * partition_size
     part_end = tl.minimum(part_start + partition_size, seq_len)  # may be <= start: empty
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -209,7 +236,7 @@ def _decode_split_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale  # [M, N]
+        s = _scores(s, scale, softcap, SOFTCAP)  # [M, N]
         # The decode token is the sequence's last position: no causal mask
         # beyond "key position < seq_len".
         s = tl.where(pos_ok[None, :], s, NEG_BIG)
@@ -235,13 +262,14 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    seq_lens_ptr, query_start_ptr, head_dim, partition_size,
+    seq_lens_ptr, query_start_ptr, head_dim, partition_size, window,
     stride_o_t, stride_o_h, stride_o_d,
     stride_po_s, stride_po_h, stride_po_p,
     stride_pm_s, stride_pm_h,
     PARTS_CHUNK: tl.constexpr,
     DIM_PAD: tl.constexpr,
     NEG_BIG: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     # grid: (seqs, heads). Combine partition partials: with M = max_p m_p,
     # out = sum_p w_p * o_p / sum_p w_p where w_p = l_p * 2^(m_p - M).
@@ -250,7 +278,10 @@ def _decode_reduce_kernel(
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
     q_tok = tl.load(query_start_ptr + seq).to(tl.int64)
-    num_parts = (seq_len + partition_size - 1) // partition_size
+    seen = seq_len
+    if WINDOW:
+        seen = tl.minimum(seq_len, window)  # keys the decode sees (the split kernel's partitions)
+    num_parts = (seen + partition_size - 1) // partition_size
     pm_base = seq * stride_pm_s + head * stride_pm_h
     po_base = seq * stride_po_s + head * stride_po_h
     d = tl.arange(0, DIM_PAD).to(tl.int64)
@@ -325,6 +356,8 @@ def paged_attention_impl(
     *,
     split_decode: Optional[bool] = None,
     partition_size: Optional[int] = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """paged_attention with knobs for tests/benchmarks.
 
@@ -367,13 +400,19 @@ def paged_attention_impl(
     interpreted = is_interpreted(_prefill_kernel)
     dot_fp32 = interpreted or q.dtype == torch.float32
     launch_opts = {} if interpreted else {"num_warps": cfg.num_warps}
-    common = dict(BLOCK_SIZE=block_size, DIM_PAD=dim_pad, DOT_FP32=dot_fp32, NEG_BIG=_NEG_BIG)
+    assert window is None or window >= 1, f"window must be >= 1 or None, got {window}"
+    assert softcap is None or softcap >= 0, f"softcap must be >= 0 or None, got {softcap}"
+    common = dict(BLOCK_SIZE=block_size, DIM_PAD=dim_pad, DOT_FP32=dot_fp32, NEG_BIG=_NEG_BIG,
+                  WINDOW=window is not None, SOFTCAP=bool(softcap))
+    win, cap = int(window or 0), float(softcap or 1.0)
 
     if split_decode is None:
         split_decode = num_tokens == num_seqs
     if split_decode:
         assert num_tokens == num_seqs, "split decode needs exactly one query token per sequence"
         max_context = max_blocks * block_size
+        if window is not None:  # partitions tile the window only
+            max_context = min(max_context, window)
         part = partition_size or decode_partition_size(num_seqs, num_kv_heads, max_context, cfg.tile_n)
         assert part % cfg.tile_n == 0 and part & (part - 1) == 0, (
             f"partition_size {part} must be a power of two multiple of {cfg.tile_n}"
@@ -387,17 +426,17 @@ def paged_attention_impl(
         _decode_split_kernel[(num_seqs, num_kv_heads, num_parts)](
             q, k_cache, v_cache, part_o, part_m, part_l,
             block_tables, seq_lens, query_start_loc,
-            float(scale), head_dim, part,
+            float(scale), head_dim, part, win, cap,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
             *part_o.stride()[:3], *part_m.stride()[:2],
             QUERIES_PER_KV=qpk, BLOCK_M=block_m, TILE_N=cfg.tile_n,
             **common, **launch_opts,
         )
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_o, part_m, part_l, seq_lens, query_start_loc, head_dim, part,
+            out, part_o, part_m, part_l, seq_lens, query_start_loc, head_dim, part, win,
             *out.stride(), *part_o.stride()[:3], *part_m.stride()[:2],
             PARTS_CHUNK=min(32, next_pow2(num_parts)),
-            DIM_PAD=dim_pad, NEG_BIG=_NEG_BIG, **launch_opts,
+            DIM_PAD=dim_pad, NEG_BIG=_NEG_BIG, WINDOW=window is not None, **launch_opts,
         )
         return out
 
@@ -408,7 +447,7 @@ def paged_attention_impl(
     num_tiles = num_tokens // block_q + num_seqs
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        float(scale), num_seqs, head_dim,
+        float(scale), num_seqs, head_dim, win, cap,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         QUERIES_PER_KV=qpk, QPK_PAD=qpk_pad, BLOCK_Q=block_q, BLOCK_M=cfg.block_m,
         TILE_N=cfg.tile_n, **common, **launch_opts,
@@ -425,13 +464,17 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: Optional[torch.Tensor] = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of the new tokens q: [T, H, D] -> [T, H, D].
 
     Decode-only batches (one query per sequence) use flash-decoding; any
     other mix (prefill chunks with cached prefixes plus decodes) uses the
     query-tiled kernel. New tokens' K/V must already be in the cache.
+    ``window`` / ``softcap``: as ``kernels.reference.paged_attention``.
     """
     return paged_attention_impl(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+        window=window, softcap=softcap,
     )

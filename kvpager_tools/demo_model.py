@@ -16,7 +16,7 @@ import argparse
 import os
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "gemma2", "gemma3")
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|bos|>", "<|eos|>", "<|pad|>"
 # A plain chat template, so chat clients work against the demo model (/v1/chat/completions):
 #   <|bos|>system: ...\nuser: ...\nassistant:
@@ -85,15 +85,33 @@ def _tokenizer(vocab_size: int, max_len: int):
     return out
 
 
-def _config(arch: str, **kw):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+def _config(arch: str, sliding_window: int | None = None, max_window_layers: int | None = None, **kw):
+    """sliding_window: Mistral's on every layer; Qwen2's on the layers from
+    ``max_window_layers`` on; Gemma 2's on every other layer (its default
+    4096 when None); Gemma 3's on two of every three (local RoPE there). Llama has none."""
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     if arch == "llama":
+        if sliding_window is not None:
+            raise ValueError("llama has no sliding window")
         return LlamaConfig(**kw)
     if arch == "qwen2":  # qkv projections carry a bias
-        return Qwen2Config(use_sliding_window=False, **kw)
+        if sliding_window is None:
+            return Qwen2Config(use_sliding_window=False, **kw)
+        return Qwen2Config(use_sliding_window=True, sliding_window=sliding_window,
+                           max_window_layers=kw["num_hidden_layers"] // 2 if max_window_layers is None
+                           else max_window_layers, **kw)
     if arch == "mistral":
-        return MistralConfig(sliding_window=None, **kw)
+        return MistralConfig(sliding_window=sliding_window, **kw)
+    if arch == "gemma2":  # alternating local / global layers, soft-capped logits
+        head_dim = kw["hidden_size"] // kw["num_attention_heads"]
+        return Gemma2Config(head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                            sliding_window=sliding_window or 4096, **kw)
+    if arch == "gemma3":
+        head_dim = kw["hidden_size"] // kw["num_attention_heads"]
+        layer_types = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(kw["num_hidden_layers"])]
+        return Gemma3TextConfig(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=sliding_window or 4096,
+                                layer_types=layer_types, **kw)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -112,6 +130,8 @@ def build_demo_model(
     seed: int = 0,
     dtype: str = "float32",
     initializer_range: float = 0.1,
+    sliding_window: int | None = None,
+    max_window_layers: int | None = None,
 ) -> Path:
     """Write a random-weight checkpoint + tokenizer into ``out_dir``.
 
@@ -123,6 +143,7 @@ def build_demo_model(
         initializer_range: std of the random weights. Larger than HF's 0.02 so
             that logits are spread out and greedy argmax has clear margins
             (exactness tests compare against ``generate``).
+        sliding_window, max_window_layers: see ``_config``.
     Returns:
         the checkpoint directory. Deterministic for a given seed.
     """
@@ -138,6 +159,8 @@ def build_demo_model(
         raise ValueError(f"model_vocab_size {model_vocab_size} < tokenizer size {len(tokenizer)}")
     config = _config(
         arch,
+        sliding_window=sliding_window,
+        max_window_layers=max_window_layers,
         vocab_size=model_vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -203,6 +226,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-position-embeddings", type=int, default=DEFAULT_MAX_POSITIONS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="mistral: every layer; qwen2: the upper half; gemma2: every other layer")
     p.set_defaults(func=_main)
 
 
@@ -218,6 +243,7 @@ def _main(args: argparse.Namespace) -> int:
         max_position_embeddings=args.max_position_embeddings,
         seed=args.seed,
         dtype=args.dtype,
+        sliding_window=args.sliding_window,
     )
     print(out)
     return 0

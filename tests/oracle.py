@@ -30,8 +30,10 @@ class Oracle:
             if self.fixed_length:
                 from transformers import GenerationConfig
 
+                # eos_token_id=None would be refilled from the model's own generation config
+                # (transformers 5); -1 is an id no token has: generation runs to the length.
                 kw["generation_config"] = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
-                                                           eos_token_id=None, pad_token_id=2)
+                                                           eos_token_id=-1, pad_token_id=2)
             else:
                 kw.update(max_new_tokens=max_new_tokens, do_sample=False)
             with torch.no_grad():

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from executor_service.attention import AttentionMetadata
+from executor_service.attention import AttentionMetadata, plan_windows
 from executor_service.linear import Linear, onednn_available
 
 if TYPE_CHECKING:
@@ -47,28 +47,30 @@ def pack_linears(model: torch.nn.Module) -> int:
 class HFModel:
     """A transformers model driven one flattened paged step at a time."""
 
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: torch.nn.Module, windows: list[int | None]) -> None:
         self.model = hf_model
+        self.windows = windows  # per layer (None = full attention)
         self.num_packed_linears = pack_linears(hf_model) if next(hf_model.parameters()).device.type == "cpu" else 0
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                backend: KernelBackend) -> torch.Tensor:
+                backend: KernelBackend, layer_groups: tuple[int, ...] | None = None) -> torch.Tensor:
         """Writes the batch's K/V into the pool and returns logits [R, V] fp32
-        for ``batch.logits_indices``."""
-        plan = None
-        if backend.plan_attention is not None:
-            k_cache = kv_caches[0][0]  # [NB, BS, KVH, D], as every layer's
-            plan = backend.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                          k_cache.shape[1], k_cache.shape[0])
+        for ``batch.logits_indices``. layer_groups: each layer's table group
+        (None: one table for all)."""
+        groups = list(layer_groups) if layer_groups is not None else [0] * len(self.windows)
+        plans = plan_windows(backend, self.windows, groups, batch, kv_caches[0][0])
+        num_groups = max(groups) + 1
         meta = AttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            block_tables=batch.block_tables,
+            slot_mappings=[batch.slots_of(g) for g in range(num_groups)],
+            block_tables=[batch.tables_of(g) for g in range(num_groups)],
             seq_lens=batch.seq_lens,
             query_start_loc=batch.query_start_loc,
             kv_caches=kv_caches,
             backend=backend,
-            plan=plan,
+            layer_windows=self.windows,
+            layer_groups=groups,
+            plans=plans,
         )
         out = self.model(
             input_ids=batch.input_ids.unsqueeze(0),      # [1, T]

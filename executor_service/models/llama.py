@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from executor_service.attention import attend, plan_windows
 from executor_service.linear import Linear, fused
 
 if TYPE_CHECKING:
@@ -94,9 +95,11 @@ class LayerOps:
 
 
 class DecoderLayer:
-    def __init__(self, layer, index: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, layer, index: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 window: int | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.index = index
+        self.window = window  # sliding window (None = full attention)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scaling = float(getattr(attn, "scaling", head_dim ** -0.5))
@@ -112,16 +115,16 @@ class DecoderLayer:
         self.post_eps = float(layer.post_attention_layernorm.variance_epsilon)
 
     def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                kv: tuple[torch.Tensor, torch.Tensor], ops: LayerOps, plan) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], ops: LayerOps, plans, group: int) -> torch.Tensor:
         """h: [T, hidden] the residual stream (updated in place); x: this
-        layer's normalised input. Returns the MLP's output (the caller adds it
+        layer's normalised input; group: its table group. Returns the MLP's output (the caller adds it
         to h with the next norm). Writes this step's K/V into the layer's pool view."""
         t = x.shape[0]
         k_cache, v_cache = kv
         q = ops.rope_store_kv(self.qkv(x), cos, sin, self.num_heads, self.num_kv_heads, k_cache, v_cache,
-                              batch.slot_mapping)  # [T, H, D]
-        args = (q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, self.scaling)
-        attn = ops.backend.paged_attention(*args) if plan is None else ops.backend.paged_attention(*args, plan=plan)
+                              batch.slots_of(group))  # [T, H, D]
+        attn = attend(ops.backend, plans, group, self.window, q, k_cache, v_cache, batch.tables_of(group),
+                      batch.seq_lens, batch.query_start_loc, self.scaling)
         x = ops.add_rms_norm(self.o(attn.view(t, self.q_size)), h, self.post_norm, self.post_eps)
         return self.down(ops.silu_mul(self.gate_up(x)))
 
@@ -129,7 +132,7 @@ class DecoderLayer:
 class LlamaModel:
     """A loaded Llama-family model; ``forward`` is one flattened paged step."""
 
-    def __init__(self, hf_model, text_config) -> None:
+    def __init__(self, hf_model, text_config, windows: list[int | None]) -> None:
         check_supported(text_config)
         inner = hf_model.model
         self.dtype = inner.embed_tokens.weight.dtype
@@ -137,8 +140,9 @@ class LlamaModel:
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
         self.embed = inner.embed_tokens.weight.detach()  # [V, hidden]
-        self.layers = [DecoderLayer(layer, i, num_heads, num_kv_heads, head_dim)
+        self.layers = [DecoderLayer(layer, i, num_heads, num_kv_heads, head_dim, windows[i])
                        for i, layer in enumerate(inner.layers)]
+        self.windows = windows
         self.norm = inner.norm.weight.detach()
         self.norm_eps = float(inner.norm.variance_epsilon)
         rotary = inner.rotary_emb
@@ -148,14 +152,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                backend: KernelBackend) -> torch.Tensor:
+                backend: KernelBackend, layer_groups: tuple[int, ...] | None = None) -> torch.Tensor:
         """Writes the batch's K/V into the pool; returns logits [R, V] fp32 for
-        ``batch.logits_indices``."""
-        plan = None
-        if backend.plan_attention is not None:
-            k_cache = kv_caches[0][0]  # [NB, BS, KVH, D], as every layer's
-            plan = backend.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                          k_cache.shape[1], k_cache.shape[0])
+        ``batch.logits_indices``. layer_groups: each layer's table group
+        (None: one table for all)."""
+        groups = list(layer_groups) if layer_groups is not None else [0] * len(self.layers)
+        plans = plan_windows(backend, self.windows, groups, batch, kv_caches[0][0])
         ops = self._ops.get(backend.name)
         if ops is None:
             ops = self._ops[backend.name] = LayerOps(backend)
@@ -164,7 +166,7 @@ class LlamaModel:
         first = self.layers[0]
         x = ops.rms_norm(h, first.in_norm, first.in_eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            out = layer.forward(h, x, cos, sin, batch, kv, ops, plan)
+            out = layer.forward(h, x, cos, sin, batch, kv, ops, plans, groups[i])
             if i + 1 < len(self.layers):
                 nxt = self.layers[i + 1]
                 x = ops.add_rms_norm(out, h, nxt.in_norm, nxt.in_eps)

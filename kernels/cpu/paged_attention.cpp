@@ -142,22 +142,24 @@ inline void scores16(const float* qf, int64_t G, const T* rows, int64_t stride, 
 
 // acc[g] = sum_t p[g][t] * V[t] for GC query heads starting at g0, the
 // accumulators in registers (GC * DC / 16 of them) for the whole context.
+// Keys are positions [start, end); probs[g * (end - start) + pos - start].
 template <typename T, int DC, int GC>
-inline void pv_chunk(const float* probs, int64_t L, int64_t g0, const T* v, const int32_t* table, int64_t n_blocks,
+inline void pv_chunk(const float* probs, int64_t start, int64_t end, int64_t g0, const T* v, const int32_t* table,
                      int64_t BS, int64_t v_s0, int64_t v_s1, int64_t kvh_off, float* acc) {
   constexpr int C = DC / 16;
+  const int64_t L = end - start;
   __m512 a[GC][C];
   for (int g = 0; g < GC; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < n_blocks; ++b) {
+  for (int64_t b = start / BS; b * BS < end; ++b) {
     const T* vb = v + static_cast<int64_t>(table[b]) * v_s0 + kvh_off;
-    const int64_t n = std::min<int64_t>(BS, L - b * BS);
-    for (int64_t t = 0; t < n; ++t) {
+    const int64_t n = std::min<int64_t>(BS, end - b * BS);
+    for (int64_t t = std::max<int64_t>(0, start - b * BS); t < n; ++t) {
       const T* r = vb + t * v_s1;
       __m512 vr[C];
       for (int c = 0; c < C; ++c) vr[c] = load16<T>(r + 16 * c);
       for (int g = 0; g < GC; ++g) {
-        const __m512 pg = _mm512_set1_ps(probs[(g0 + g) * L + b * BS + t]);
+        const __m512 pg = _mm512_set1_ps(probs[(g0 + g) * L + b * BS + t - start]);
         for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pg, vr[c], a[g][c]);
       }
     }
@@ -168,17 +170,17 @@ inline void pv_chunk(const float* probs, int64_t L, int64_t g0, const T* v, cons
 
 // All G heads in register-sized chunks (at most 16 accumulators each).
 template <typename T, int DC>
-inline void pv_all(const float* probs, int64_t L, int64_t G, const T* v, const int32_t* table, int64_t n_blocks,
+inline void pv_all(const float* probs, int64_t start, int64_t end, int64_t G, const T* v, const int32_t* table,
                    int64_t BS, int64_t v_s0, int64_t v_s1, int64_t kvh_off, float* acc) {
   constexpr int C = DC / 16;
   constexpr int GMAX = C >= 16 ? 1 : 16 / C;  // 4 heads at D 64, 2 at 128, 1 at 256
   int64_t g = 0;
-  for (; g + GMAX <= G; g += GMAX) pv_chunk<T, DC, GMAX>(probs, L, g, v, table, n_blocks, BS, v_s0, v_s1, kvh_off, acc);
+  for (; g + GMAX <= G; g += GMAX) pv_chunk<T, DC, GMAX>(probs, start, end, g, v, table, BS, v_s0, v_s1, kvh_off, acc);
   if constexpr (GMAX >= 4) {
-    if (g + 2 <= G) pv_chunk<T, DC, 2>(probs, L, g, v, table, n_blocks, BS, v_s0, v_s1, kvh_off, acc), g += 2;
+    if (g + 2 <= G) pv_chunk<T, DC, 2>(probs, start, end, g, v, table, BS, v_s0, v_s1, kvh_off, acc), g += 2;
   }
   if constexpr (GMAX >= 2) {
-    for (; g < G; ++g) pv_chunk<T, DC, 1>(probs, L, g, v, table, n_blocks, BS, v_s0, v_s1, kvh_off, acc);
+    for (; g < G; ++g) pv_chunk<T, DC, 1>(probs, start, end, g, v, table, BS, v_s0, v_s1, kvh_off, acc);
   }
 }
 #define KVPAGER_HAVE_SCORES16 1
@@ -191,6 +193,8 @@ struct Shape {
   int64_t k_s0, k_s1, k_s2;              // k_cache [NB, BS, KVH, D]
   int64_t v_s0, v_s1, v_s2;
   int64_t num_blocks;
+  int64_t window;   // sliding window in tokens (0 = none): keys > pos - window
+  float softcap;    // logit soft-capping (0 = none): s = softcap * tanh(s / softcap)
 };
 
 // Per-thread scratch, grown on demand.
@@ -203,16 +207,23 @@ struct Scratch {
   }
 };
 
+// The first key a query at `pos` sees (transformers' sliding window).
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
 // One query token of one sequence against one kv head, its GQA group of
 // query heads at once. `pos`: the query's absolute position (it sees keys
-// 0..pos). Three passes over the context: scores, softmax, weighted values
+// start..pos, start = 0 without a window; blocks before start are never
+// read). Three passes over the context: scores, softmax, weighted values
 // (no online rescaling: the scores of one query fit in a small buffer).
 template <typename T, int DC>
 void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, const int32_t* table,
                 int64_t pos, int64_t kvh, float scale, Scratch& sc) {
   const int d = DC > 0 ? DC : static_cast<int>(sh.head_dim);
   const int64_t G = sh.group, BS = sh.block_size;
-  const int64_t L = pos + 1;
+  const int64_t start = window_start(pos, sh.window), end = pos + 1;
+  const int64_t L = end - start;  // keys seen; scores[g * L + key - start]
   sc.fit(G, d, L);
   float* qf = sc.q.data();
   float* acc = sc.acc.data();
@@ -222,10 +233,12 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
     const T* qr = q + (kvh * G + g) * sh.q_s1;
     for (int i = 0; i < d; ++i) qf[g * d + i] = static_cast<float>(qr[i]) * scale;
   }
-  const int64_t n_blocks = (L + BS - 1) / BS;
-  for (int64_t b = 0; b < n_blocks; ++b) {
+  const int64_t first_block = start / BS, n_blocks = (end + BS - 1) / BS;
+  for (int64_t b = first_block; b < n_blocks; ++b) {
     const int64_t blk = static_cast<int64_t>(table[b]);
-    const int64_t n = std::min<int64_t>(BS, L - b * BS);
+    const int64_t n = std::min<int64_t>(BS, end - b * BS);
+    const int64_t t_lo = std::max<int64_t>(0, start - b * BS);
+    float* sb = scores + b * BS - start;  // sb[t]: key b * BS + t
     const T* kb = k + blk * sh.k_s0 + kvh * sh.k_s2;
     if (b + 1 < n_blocks) {  // the next block's keys are in another page: start fetching them now
       const char* next = reinterpret_cast<const char*>(k + static_cast<int64_t>(table[b + 1]) * sh.k_s0 + kvh * sh.k_s2);
@@ -233,15 +246,19 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
     }
 #ifdef KVPAGER_HAVE_SCORES16
     if constexpr (DC > 0 && DC % 16 == 0) {
-      for (int64_t t0 = 0; t0 < n; t0 += 16)
-        scores16<T, DC>(qf, G, kb + t0 * sh.k_s1, sh.k_s1, std::min<int64_t>(16, n - t0), scores + b * BS + t0, L);
+      for (int64_t t0 = t_lo; t0 < n; t0 += 16)
+        scores16<T, DC>(qf, G, kb + t0 * sh.k_s1, sh.k_s1, std::min<int64_t>(16, n - t0), sb + t0, L);
       continue;
     }
 #endif
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = t_lo; t < n; ++t) {
       const float* kr = row_f32<T>(kb + t * sh.k_s1, row, d);
-      for (int64_t g = 0; g < G; ++g) scores[g * L + b * BS + t] = dot<DC>(qf + g * d, kr, d);
+      for (int64_t g = 0; g < G; ++g) sb[g * L + t] = dot<DC>(qf + g * d, kr, d);
     }
+  }
+  if (sh.softcap > 0.f) {
+    const float cap = sh.softcap, inv_cap = 1.f / sh.softcap;
+    for (int64_t i = 0; i < G * L; ++i) scores[i] = cap * std::tanh(scores[i] * inv_cap);
   }
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * L;
@@ -260,18 +277,18 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
   }
 #ifdef KVPAGER_HAVE_SCORES16
   if constexpr (DC > 0 && DC % 16 == 0) {
-    pv_all<T, DC>(scores, L, G, v, table, n_blocks, BS, sh.v_s0, sh.v_s1, kvh * sh.v_s2, acc);
+    pv_all<T, DC>(scores, start, end, G, v, table, BS, sh.v_s0, sh.v_s1, kvh * sh.v_s2, acc);
   } else
 #endif
   {
     std::fill(acc, acc + G * d, 0.f);
-    for (int64_t b = 0; b < n_blocks; ++b) {
+    for (int64_t b = first_block; b < n_blocks; ++b) {
       const int64_t blk = static_cast<int64_t>(table[b]);
-      const int64_t n = std::min<int64_t>(BS, L - b * BS);
+      const int64_t n = std::min<int64_t>(BS, end - b * BS);
       const T* vb = v + blk * sh.v_s0 + kvh * sh.v_s2;
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = std::max<int64_t>(0, start - b * BS); t < n; ++t) {
         const float* vr = row_f32<T>(vb + t * sh.v_s1, row, d);
-        for (int64_t g = 0; g < G; ++g) axpy<DC>(scores[g * L + b * BS + t], vr, acc + g * d, d);
+        for (int64_t g = 0; g < G; ++g) axpy<DC>(scores[g * L + b * BS + t - start], vr, acc + g * d, d);
       }
     }
   }
@@ -326,10 +343,14 @@ void dispatch_dim(const Shape& sh, const at::Tensor& out, const at::Tensor& q, c
 // block_tables: [S, MB] int32 contiguous; seq_lens: [S] int32; query_start_loc:
 // [S + 1] int32; seqs: [Sd] int64, the sequences to compute (others' rows of
 // `out` are left alone). Query j of sequence s sits at position
-// seq_lens[s] - q_len[s] + j and attends to positions <= its own.
+// seq_lens[s] - q_len[s] + j and attends to positions <= its own (and, with
+// window > 0, > its own - window; table entries before the first query's
+// window may be padding). softcap > 0: Gemma 2's logit soft-capping.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, const at::Tensor& seqs, double scale) {
+                     const at::Tensor& query_start_loc, const at::Tensor& seqs, double scale, int64_t window,
+                     double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0 = off)");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of one shape");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [NB, BS, KVH, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
@@ -358,6 +379,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   sh.o_s0 = out.stride(0), sh.o_s1 = out.stride(1);
   sh.k_s0 = k_cache.stride(0), sh.k_s1 = k_cache.stride(1), sh.k_s2 = k_cache.stride(2);
   sh.v_s0 = v_cache.stride(0), sh.v_s1 = v_cache.stride(1), sh.v_s2 = v_cache.stride(2);
+  sh.window = window;
+  sh.softcap = static_cast<float>(softcap);
 
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -373,7 +396,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     TORCH_CHECK(q_len >= 1 && qsl[s + 1] <= q.size(0) && lens[s] >= q_len, "bad query/sequence lengths");
     const int64_t need = (static_cast<int64_t>(lens[s]) + sh.block_size - 1) / sh.block_size;
     TORCH_CHECK(need <= sh.max_blocks, "sequence longer than its block table");
-    for (int64_t b = 0; b < need; ++b) {
+    for (int64_t b = window_start(lens[s] - q_len, window) / sh.block_size; b < need; ++b) {
       const int32_t blk = tables[s * sh.max_blocks + b];
       TORCH_CHECK(blk >= 0 && blk < sh.num_blocks, "block id out of range");
     }
@@ -398,7 +421,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale) -> ()");
+      "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale, int window, float softcap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvpager_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

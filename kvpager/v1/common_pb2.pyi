@@ -165,7 +165,7 @@ class TableChanges(_message.Message):
     def __init__(self, forks: _Optional[_Iterable[_Union[ForkOp, _Mapping]]] = ..., dropped_seq_ids: _Optional[bytes] = ..., started_seq_ids: _Optional[bytes] = ..., started_context_lens: _Optional[bytes] = ..., started_offsets: _Optional[bytes] = ..., started_block_ids: _Optional[bytes] = ..., extended_seq_ids: _Optional[bytes] = ..., extended_first_index: _Optional[bytes] = ..., extended_offsets: _Optional[bytes] = ..., extended_block_ids: _Optional[bytes] = ...) -> None: ...
 
 class ExecutorPlan(_message.Message):
-    __slots__ = ("executor_id", "incarnation", "table_epoch", "seq_ids", "query_lens", "tables", "cache_ops", "started_cached_tokens")
+    __slots__ = ("executor_id", "incarnation", "table_epoch", "seq_ids", "query_lens", "tables", "cache_ops", "started_cached_tokens", "group_tables")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TABLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class ExecutorPlan(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     CACHE_OPS_FIELD_NUMBER: _ClassVar[int]
     STARTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_TABLES_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     incarnation: int
     table_epoch: int
@@ -182,4 +183,5 @@ class ExecutorPlan(_message.Message):
     tables: TableChanges
     cache_ops: CacheOps
     started_cached_tokens: bytes
-    def __init__(self, executor_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., table_epoch: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., tables: _Optional[_Union[TableChanges, _Mapping]] = ..., cache_ops: _Optional[_Union[CacheOps, _Mapping]] = ..., started_cached_tokens: _Optional[bytes] = ...) -> None: ...
+    group_tables: _containers.RepeatedCompositeFieldContainer[TableChanges]
+    def __init__(self, executor_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., table_epoch: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., query_lens: _Optional[bytes] = ..., tables: _Optional[_Union[TableChanges, _Mapping]] = ..., cache_ops: _Optional[_Union[CacheOps, _Mapping]] = ..., started_cached_tokens: _Optional[bytes] = ..., group_tables: _Optional[_Iterable[_Union[TableChanges, _Mapping]]] = ...) -> None: ...

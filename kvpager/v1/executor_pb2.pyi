@@ -90,7 +90,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("executor_id", "model_id", "model_type", "vocab_size", "max_model_len", "eos_token_ids", "num_layers", "num_kv_heads", "head_dim", "dtype", "device", "attention_backend", "num_blocks", "block_size", "num_swap_blocks", "incarnation", "pool_generation", "kv_pool_bytes", "model_impl")
+    __slots__ = ("executor_id", "model_id", "model_type", "vocab_size", "max_model_len", "eos_token_ids", "num_layers", "num_kv_heads", "head_dim", "dtype", "device", "attention_backend", "num_blocks", "block_size", "num_swap_blocks", "incarnation", "pool_generation", "kv_pool_bytes", "model_impl", "kv_layout", "kv_groups")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,8 @@ class ExecutorInfo(_message.Message):
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_IMPL_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     model_id: str
     model_type: str
@@ -129,7 +131,17 @@ class ExecutorInfo(_message.Message):
     pool_generation: int
     kv_pool_bytes: int
     model_impl: str
-    def __init__(self, executor_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., model_impl: _Optional[str] = ...) -> None: ...
+    kv_layout: str
+    kv_groups: _containers.RepeatedCompositeFieldContainer[KvGroupInfo]
+    def __init__(self, executor_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., model_impl: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kv_groups: _Optional[_Iterable[_Union[KvGroupInfo, _Mapping]]] = ...) -> None: ...
+
+class KvGroupInfo(_message.Message):
+    __slots__ = ("window", "layers")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, window: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ConfirmPoolRequest(_message.Message):
     __slots__ = ("incarnation", "pool_generation", "written_since_step")

@@ -15,6 +15,10 @@ manager (and the real gRPC service for the RPC figures).
   manager on the same workload in the same process, alternating step by
   step. And over gRPC against a bare unary RPC (health Check) on the same
   server in the same run.
+* hybrid: a Gemma-2-shaped model (half the layers sliding) on a fixed pool,
+  a block table per KV group with window frees vs all full attention:
+  concurrent sequences, their ratio and the analytic bound
+  (``kvpager_tools.bench.hybrid``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import statistics
 import sys
 import time
 
+from kvpager_tools.bench import hybrid
 from kvpager_tools.bench.decode_step import DecodeWorkload, measure as measure_decode
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
@@ -328,6 +333,8 @@ def run_all(quick: bool = False, nanovllm: str | None = None, decode_runs: int |
     for k in (2, 4, 6):
         _progress(f"beam k={k}")
         result["sharing"][f"beam_{k}"] = beam_sharing(k, steps=60 if quick else 160, trials=2 if quick else 6)
+    _progress("hybrid (sliding-window groups)")
+    result["hybrid"] = hybrid.run(quick=quick)
     _progress("speed (in-process decode step)")
     batch = 256
     w = DecodeWorkload(batch=batch, steps=100 if quick else 200, runs=decode_runs or (3 if quick else 5))

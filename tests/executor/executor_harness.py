@@ -25,7 +25,16 @@ CHECKPOINTS = {
     "llama_mha": dict(arch="llama", num_heads=4, num_kv_heads=4, seed=1),
     "llama_gqa": dict(arch="llama", num_heads=4, num_kv_heads=2, seed=2),
     "qwen2": dict(arch="qwen2", num_heads=4, num_kv_heads=2, seed=3),
+    # Sliding windows of WINDOW tokens: every layer (Mistral), the upper layers
+    # from max_window_layers (Qwen2: layer 0 full, 1-2 sliding), alternating
+    # local / global with soft-capping (Gemma 2: 0 and 2 sliding).
+    "mistral_swa": dict(arch="mistral", num_heads=4, num_kv_heads=2, seed=4, sliding_window=16),
+    "qwen2_swa": dict(arch="qwen2", num_heads=4, num_kv_heads=2, seed=5, sliding_window=16, num_layers=3,
+                      max_window_layers=1),
+    "gemma2": dict(arch="gemma2", num_heads=4, num_kv_heads=2, seed=6, sliding_window=16, num_layers=3),
+    "gemma3": dict(arch="gemma3", num_heads=4, num_kv_heads=2, seed=7, sliding_window=16, num_layers=3),
 }
+WINDOW = 16
 
 
 def triton_available() -> bool:
