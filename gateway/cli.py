@@ -43,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout-s", type=float, default=120.0,
                    help="deadline of each internal Step and Execute call (a hung executor fails its requests "
                         "with UNAVAILABLE after this long)")
+    p.add_argument("--max-retries", type=int, default=3,
+                   help="times one sequence is admitted again (recompute) after a memory-service restart or the "
+                        "loss of its executor; once more ends it UNAVAILABLE (0: never)")
+    p.add_argument("--recovery-timeout-s", type=float, default=30.0,
+                   help="longest a stream waits for a restarted memory service or an executor of its model to "
+                        "take it back before it ends UNAVAILABLE")
     p.add_argument("--max-message-bytes", type=int, default=16 * 2**20,
                    help="largest request or response message (larger: RESOURCE_EXHAUSTED)")
     caps = p.add_argument_group("what one request may ask (docs/security.md, Limits)")
@@ -90,12 +96,17 @@ def config_from_args(args: argparse.Namespace):
     from gateway.engine import EngineConfig
     from gateway.http.server import HttpConfig
     from gateway.params import RequestCaps
+    from gateway.recovery import RecoveryConfig
     from gateway.service import GatewayConfig
     from kvpager.security import security_from_args
 
     security = security_from_args(args)
     if args.stats_interval_s < 0:
         raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s:g}")
+    if args.max_retries < 0:
+        raise ValueError(f"--max-retries must be >= 0, got {args.max_retries}")
+    if args.recovery_timeout_s <= 0:
+        raise ValueError(f"--recovery-timeout-s must be > 0, got {args.recovery_timeout_s:g}")
     if args.chat_template is not None and not Path(args.chat_template).is_file():
         raise ValueError(f"--chat-template {args.chat_template}: no such file")
     caps = RequestCaps(max_prompt_bytes=args.max_prompt_bytes, max_stop_strings=args.max_stop_strings,
@@ -122,7 +133,8 @@ def config_from_args(args: argparse.Namespace):
                                              max_prompt_tokens=args.max_prompt_tokens,
                                              step_timeout_s=args.step_timeout_s, plan_ahead=args.plan_ahead,
                                              executor_info_timeout_s=args.executor_info_timeout_s,
-                                             caps=caps),
+                                             caps=caps, recovery=RecoveryConfig(args.max_retries,
+                                                                                args.recovery_timeout_s)),
                          http=http)
 
 

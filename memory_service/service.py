@@ -108,7 +108,11 @@ class MemoryServer:
                 raise
         if self.mirror is not None:
             await self.mirror.start()
-            await self._recover()
+            self.state.recovering = True
+            try:
+                await self._recover()
+            finally:
+                self.state.recovering = False
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
         await self.runtime.set_serving(True)
         return self

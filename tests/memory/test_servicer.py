@@ -230,3 +230,18 @@ async def test_reregistration_with_new_incarnation_drops_sequences(memory):
     await expect(grpc.StatusCode.FAILED_PRECONDITION, stub.Free(memory_pb2.FreeRequest(seq_ids=[1])))
     await expect(grpc.StatusCode.FAILED_PRECONDITION,
                  stub.Heartbeat(memory_pb2.HeartbeatRequest(executor_id="e0", incarnation=1)))
+
+
+def test_steps_are_refused_while_the_mirror_is_restored():
+    """A block allocated, written and freed during recovery could be restored
+    with the hash of what it held before: Steps wait (UNAVAILABLE, retryable)."""
+    from kvpager.errors import Unavailable
+    from memory_service.records import StepInput
+    from memory_service.service_state import MemoryState
+
+    state = MemoryState()
+    state.recovering = True
+    with pytest.raises(Unavailable, match="mirror"):
+        state.step(StepInput(step_id=1))
+    state.recovering = False
+    assert state.step(StepInput(step_id=1)).step_id == 1
