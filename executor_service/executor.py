@@ -20,6 +20,7 @@ import torch
 from executor_service import metrics
 from executor_service.attention import load_backend
 from executor_service.config import ExecutorConfig
+from executor_service.costs import CostMeter
 from executor_service.history import TokenHistories
 from executor_service.placeholders import LastSamples
 from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidates
@@ -147,6 +148,9 @@ class Executor:
             raise ResourceExhausted(f"cannot allocate a KV pool of {num_blocks} blocks: {exc}") from exc
         slots = self.pool.layer_caches()
         self._kv_caches = [slots[s] for s in self.layout.layer_slot]  # per layer: its slot's (k, v) views
+        # Its own prefill throughput and copy bandwidth, reported to the memory service (costs.py).
+        self.costs = CostMeter(self.pool.block_bytes)
+        self._probe_swap()
         self.max_model_len = self._fit_model_len(num_blocks * config.block_size)
         self.executor_id = config.executor_id
         self.model_id = config.model_id or Path(config.model).resolve().name
@@ -179,6 +183,14 @@ class Executor:
         metrics.POOL_BYTES.labels(*labels, "swap").set(self.pool.swap_pool_bytes)
         metrics.POOL_BLOCKS.labels(*labels, "device").set(num_blocks)
         metrics.POOL_BLOCKS.labels(*labels, "swap").set(num_swap)
+
+    def _probe_swap(self) -> None:
+        """The copy bandwidth before the first preemption (later swaps refine it)."""
+        for _ in range(3 if self.pool.num_swap_blocks else 0):
+            t0 = time.perf_counter()
+            moved = self.pool.swap_round_trip()
+            self._sync()
+            self.costs.record_swap(moved, time.perf_counter() - t0)
 
     def _max_model_len(self) -> int:
         limit = self.runner.max_model_len
@@ -358,6 +370,7 @@ class Executor:
             top_ids, top_lps = np.zeros(0, np.int32), np.zeros(0, np.float32)
         t3 = time.perf_counter()
         self.threads.record(num_tokens, threads, t3 - t1)
+        self.costs.record_forward(num_tokens, t2 - t1)
         top_offsets = np.zeros(n + 1, np.int32)
         np.cumsum(top_counts, out=top_offsets[1:])
 
@@ -387,8 +400,13 @@ class Executor:
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
+        num_swapped = len(ops.swap_out_src) + len(ops.swap_in_src)
+        t0 = time.perf_counter()
         self.pool.swap_out(t(ops.swap_out_src), t(ops.swap_out_dst))
         self.pool.swap_in(t(ops.swap_in_src), t(ops.swap_in_dst))
+        if num_swapped:
+            self._sync()
+            self.costs.record_swap(num_swapped, time.perf_counter() - t0)
         self.pool.copy(t(ops.copy_src), t(ops.copy_dst))
         for name, arr in (("swap_out", ops.swap_out_src), ("swap_in", ops.swap_in_src), ("copy", ops.copy_src)):
             if len(arr):

@@ -107,6 +107,16 @@ class KvPool:
         moved = self.swap.index_select(2, src.cpu()).to(self.device, non_blocking=True)
         self.kv.index_copy_(2, dst.to(self.device), moved)
 
+    def swap_round_trip(self, num_blocks: int = 8) -> int:
+        """Swap the first num_blocks out and back in (a bandwidth probe of the
+        still empty pool: nothing it holds changes). Returns the blocks moved
+        (out and in summed); the caller times it, synchronising the device."""
+        n = min(num_blocks, self.num_blocks, self.num_swap_blocks)
+        ids = torch.arange(n, dtype=torch.int64)
+        self.swap_out(ids, ids)
+        self.swap_in(ids, ids)
+        return 2 * n
+
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Device blocks src[i] -> dst[i] (copy-on-write), all layers, K and V."""
         if src.numel() == 0:

@@ -118,7 +118,8 @@ class MemoryRegistration:
             info = self.pool_info()
             try:
                 reply = await self._stub.Heartbeat(
-                    memory_pb2.HeartbeatRequest(executor_id=info.executor_id, incarnation=info.incarnation),
+                    memory_pb2.HeartbeatRequest(executor_id=info.executor_id, incarnation=info.incarnation,
+                                                costs=info.costs),  # its newest measurements
                     timeout=self.rpc_timeout_s,
                 )
                 if reply.lease_s > 0:

@@ -65,7 +65,15 @@ class ExecutorServer:
             pool_generation=info.pool_generation,
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
+            costs=self.costs(),
         )
+
+    def costs(self) -> memory_pb2.ExecutorCosts:
+        """What the executor measured so far (registration and every heartbeat)."""
+        c = self.executor.costs.snapshot()
+        return memory_pb2.ExecutorCosts(prefill_batch_tokens=c.prefill_batch_tokens,
+                                        prefill_tokens_per_s=c.prefill_tokens_per_s,
+                                        swap_bytes_per_s=c.swap_bytes_per_s, block_bytes=c.block_bytes)
 
     async def _become_ready(self, executor: Executor | None) -> None:
         if executor is None:

@@ -25,16 +25,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", default=None,
                       help=f"require this bearer token on /v1 (default: ${API_KEY_ENV}; the --auth-token is "
                            "accepted too)")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens each executor computes per step")
-    p.add_argument("--max-running", type=int, default=64, help="sequences each executor runs per step")
-    p.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
-                   help="plan each step only after the previous one returned (default: the next step of an "
-                        "executor is planned and sent while its current one runs)")
-    p.add_argument("--max-waiting", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
+    add_scheduling_arguments(p)
     p.add_argument("--max-n", type=int, default=8, help="largest n / beam_width accepted")
-    p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--load-weight-tokens", type=float, default=16.0,
                    help="routing: one queued sequence costs this many prefix tokens")
+    tenants = p.add_argument_group("tenants (docs/security.md, Tenants)")
+    tenants.add_argument("--tenants", default=None, metavar="FILE",
+                         help='a JSON object {"tenant": "token", ...}: each token is a bearer credential and its '
+                              "holder's requests are that tenant's (cache_salt may only narrow its namespace)")
+    tenants.add_argument("--prefix-sharing", choices=("isolated", "shared"), default="isolated",
+                         help="prefix cache between tenants: isolated (default; no tenant ever hits another's "
+                              "blocks) or shared")
     p.add_argument("--redis-url", default=None, help="score prefixes from the Redis mirror")
     p.add_argument("--routing", choices=("prefix", "round-robin"), default="prefix",
                    help="how requests pick an executor: longest cached prefix vs load (default), or in turn")
@@ -89,6 +90,36 @@ def preflight(args: argparse.Namespace) -> None:
         check_port_free(args.http_host or args.host, args.http_port, flag="--http-port")
 
 
+# The scheduling flags' destinations: `kvpager up` offers the same group and passes each one on.
+SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "plan_ahead")
+
+
+def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    """The continuous-batching loop's options (one definition: the gateway's
+    parser and `kvpager up` both call this)."""
+    from gateway.scheduling import DEFAULT_POLICY, POLICIES
+
+    g = p.add_argument_group("scheduling (docs/api.md, Priorities)")
+    g.add_argument("--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
+                   help="step order: priority (default: a request's priority, lower first, then FCFS among "
+                        "equals) or fcfs (arrival only; priorities ignored)")
+    g.add_argument("--max-batch-tokens", type=int, default=512, help="tokens each executor computes per step")
+    g.add_argument("--max-running", type=int, default=64, help="sequences each executor runs per step")
+    g.add_argument("--max-waiting", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
+    g.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
+                   help="plan each step only after the previous one returned (default: the next step of an "
+                        "executor is planned and sent while its current one runs)")
+
+
+def scheduling_argv(args: argparse.Namespace) -> list[str]:
+    """The gateway flags that reproduce ``args``' scheduling options."""
+    argv = ["--policy", args.policy, "--max-batch-tokens", str(args.max_batch_tokens),
+            "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting)]
+    if not args.plan_ahead:
+        argv.append("--no-plan-ahead")
+    return argv
+
+
 def config_from_args(args: argparse.Namespace):
     import os
     from pathlib import Path
@@ -101,6 +132,11 @@ def config_from_args(args: argparse.Namespace):
     from kvpager.security import security_from_args
 
     security = security_from_args(args)
+    tenant_tokens = {}
+    if args.tenants:
+        from gateway.tenants import load_tenant_tokens
+
+        tenant_tokens = load_tenant_tokens(args.tenants)
     if args.stats_interval_s < 0:
         raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s:g}")
     if args.max_retries < 0:
@@ -126,7 +162,8 @@ def config_from_args(args: argparse.Namespace):
                          routing=args.routing,
                          max_message_bytes=args.max_message_bytes, tls=security.server_tls(),
                          client_tls=security.client_tls(), auth_token=security.auth_token,
-                         admin_token=security.admin_token,
+                         admin_token=security.admin_token, tenant_tokens=tenant_tokens,
+                         prefix_sharing=args.prefix_sharing,
                          engine=EngineConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                                              max_waiting=args.max_waiting, max_n=args.max_n, policy=args.policy,
                                              load_weight_tokens=args.load_weight_tokens,

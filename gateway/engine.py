@@ -49,7 +49,7 @@ class EngineConfig:
     max_running: int = 64            # sequences each executor runs per step
     max_waiting: int = 1024          # requests admitted but not finished
     max_n: int = 8
-    policy: str = "fcfs"             # a gateway.scheduling policy name: "fcfs" | "priority"
+    policy: str = "priority"         # a gateway.scheduling policy name: "priority" (default) | "fcfs"
     step_timeout_s: float = 120.0
     executor_refresh_s: float = 2.0
     executor_info_timeout_s: float = 2.0  # an executor's GetInfo when it joins (then retried with backoff)

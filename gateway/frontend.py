@@ -19,6 +19,9 @@ from kvpager.errors import InvalidArgument, Unavailable
 from kvpager.prefix_index.hashing import PromptChain
 from gateway.params import RawParams, RequestCaps, validate, validate_token_ids
 from gateway.state import Output, Request
+from gateway.tenants import Tenants
+
+MAX_RETENTION_S = 7 * 24 * 3600.0  # the memory service's limit too
 
 
 @dataclass(slots=True)
@@ -33,6 +36,8 @@ class Submission:
     cache_salt: str = ""
     deadline: float | None = None      # event-loop time; None = none
     skip_special_tokens: bool = False
+    authorization: str = ""            # the caller's bearer credential: its tenant (gateway.tenants)
+    retention_s: float = 0.0           # pin the prompt's blocks this long after the request ends
 
 
 def utf8_size(text: str) -> int:
@@ -44,8 +49,9 @@ def utf8_size(text: str) -> int:
 
 
 class Frontend:
-    def __init__(self, engine, router, tokenizer) -> None:
+    def __init__(self, engine, router, tokenizer, tenants: Tenants | None = None) -> None:
         self.engine = engine
+        self.tenants = tenants or Tenants()
         self.router = router
         self.tokenizer = tokenizer
         # Tokenizing (and rendering chat templates) runs here, off the event loop
@@ -110,13 +116,17 @@ class Frontend:
         engine = self.engine
         self.check_ids(sub.request_id, sub.cache_salt)
         spec = validate(sub.params, len(sub.prompt_ids), engine.limits)
+        if not 0.0 <= sub.retention_s <= MAX_RETENTION_S:  # NaN fails too
+            raise InvalidArgument(f"retention_s must be in [0, {MAX_RETENTION_S:g}] seconds", param="retention_s")
         request_id = sub.request_id or uuid.uuid4().hex
-        chain = PromptChain(sub.prompt_ids, sub.cache_salt)  # block hashes: once, for routing and admission
-        executor_id = await self.router.choose(sub.prompt_ids, sub.cache_salt, sub.deadline, chain)
+        tenant, salt = self.tenants.identify(sub.authorization, sub.cache_salt)
+        chain = PromptChain(sub.prompt_ids, salt)  # block hashes: once, for routing and admission
+        executor_id = await self.router.choose(sub.prompt_ids, salt, sub.deadline, chain)
         req = engine.new_request(request_id, sub.prompt_ids, spec, seed=spec.seed, priority=sub.priority,
-                                 cache_salt=sub.cache_salt, deadline=sub.deadline,
+                                 cache_salt=salt, deadline=sub.deadline,
                                  skip_special_tokens=sub.skip_special_tokens, chain=chain, arrival_s=arrival_s,
-                                 owner=sub.owner)
+                                 owner=self.tenants.owner(sub.authorization) or sub.owner)
+        req.tenant, req.retention_s = tenant, sub.retention_s
         await engine.submit(req, executor_id)
         return req
 

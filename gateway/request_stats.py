@@ -143,6 +143,7 @@ class StatsLine:
             total = (await self.accounting()).total
             kv = dict(kv_cache_usage_perc=round(100.0 * total.used_blocks / total.total_blocks, 2)
                       if total.total_blocks else 0.0,
+                      kv_token_occupancy_perc=round(100.0 * total.token_occupancy, 2),
                       queries=total.prefix_query_tokens, hits=total.prefix_hit_tokens, preemptions=total.preemptions)
         except KvpagerError as exc:
             kv = dict(kv_error=exc.message)

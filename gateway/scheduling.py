@@ -25,7 +25,8 @@ class SchedulingPolicy(Protocol):
 
 
 class FcfsPolicy:
-    """Sequences already holding KV first, then by arrival."""
+    """Sequences already holding KV first, then by arrival; a request's
+    ``priority`` is not looked at (``--policy fcfs``)."""
 
     name = "fcfs"
 
@@ -34,17 +35,20 @@ class FcfsPolicy:
 
 
 class PriorityPolicy:
-    """By priority (lower = more important, as vLLM), then arrival, across
+    """The default: by priority (lower = more important, as vLLM) across
     running and waiting sequences, so a more important waiting request can
-    preempt a running one."""
+    preempt a running one; among equal priorities exactly ``FcfsPolicy``
+    (those holding KV first, then arrival), so a deployment where no request
+    sets a priority schedules as it did before priorities were honoured."""
 
     name = "priority"
 
     def key(self, seq: Seq) -> tuple:
-        return (seq.request.priority, seq.request.arrival, seq.seq_id)
+        return (seq.request.priority, seq.status is SeqStatus.WAITING, seq.request.arrival, seq.seq_id)
 
 
 POLICIES = {cls.name: cls for cls in (FcfsPolicy, PriorityPolicy)}
+DEFAULT_POLICY = PriorityPolicy.name
 
 
 def make_policy(name: str) -> SchedulingPolicy:

@@ -20,6 +20,7 @@ from gateway.engine import Engine, EngineConfig
 from gateway.http.server import HttpConfig
 from gateway.router import make_router
 from gateway.servicer import GatewayServicer
+from gateway.tenants import Tenants
 
 log = get_logger("gateway")
 
@@ -42,6 +43,9 @@ class GatewayConfig:
     tls: TlsConfig | None = None                # serve TLS (mTLS with require_client_auth); None = insecure
     client_tls: ClientTls | None = None         # TLS to the memory service and executors
     auth_token: str | None = field(default=None, repr=False)   # required from clients (bearer)
+    # token -> tenant (gateway.tenants; each tenant's token is accepted as a bearer credential too)
+    tenant_tokens: dict[str, str] = field(default_factory=dict, repr=False)
+    prefix_sharing: str = "isolated"            # between tenants: "isolated" | "shared"
     admin_token: str | None = field(default=None, repr=False)  # sent to the memory service and executors
     engine: EngineConfig = field(default_factory=EngineConfig)
     http: HttpConfig | None = field(default_factory=HttpConfig)  # None: no HTTP API
@@ -65,9 +69,11 @@ class GatewayServer:
                                       metrics_port=config.metrics_port, metrics_host=config.metrics_host,
                                       grace_s=config.grace_s,
                                       max_message_bytes=config.max_message_bytes, tls=config.tls,
-                                      auth=token_auth(config.auth_token))
+                                      auth=token_auth(config.auth_token, also=tuple(config.tenant_tokens)))
+        self.tenants = Tenants(dict(config.tenant_tokens), config.prefix_sharing)
         servicer = GatewayServicer(self.engine, self.router, self.tokenizer,
-                                   token_required=bool(config.auth_token))
+                                   token_required=bool(config.auth_token or config.tenant_tokens),
+                                   tenants=self.tenants)
         self.runtime.add(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, SERVICE_NAME)
         self.frontend = servicer.frontend
         self.http_context = None  # the HTTP routes' view of the gateway (gateway.http.app.HttpContext)
@@ -82,7 +88,7 @@ class GatewayServer:
 
         cfg = self.config
         http = cfg.http
-        keys = tuple(k for k in (http.api_key, cfg.auth_token) if k)
+        keys = tuple(k for k in (http.api_key, cfg.auth_token, *cfg.tenant_tokens) if k)
         ctx = HttpContext(frontend=frontend, chat=ChatTemplate(self.tokenizer, http.chat_template),
                           served_model_name=http.served_model_name or Path(cfg.model).resolve().name,
                           model_dir=str(cfg.model), version=_version(), api_keys=keys,

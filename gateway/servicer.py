@@ -43,10 +43,18 @@ def response(request_id: str, out: Output) -> gateway_pb2.GenerateResponse:
     return msg
 
 
+def _authorization(context) -> str:
+    """The call's bearer credential (its tenant, when it is a tenant's token)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else bytes(value).decode("latin-1")
+    return ""
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, engine, router, tokenizer, *, token_required: bool = False) -> None:
+    def __init__(self, engine, router, tokenizer, *, token_required: bool = False, tenants=None) -> None:
         self.engine = engine
-        self.frontend = Frontend(engine, router, tokenizer)
+        self.frontend = Frontend(engine, router, tokenizer, tenants)
         self.token_required = token_required  # the caller's principal: see kvpager.auth.principal
 
     async def Generate(self, request, context):
@@ -62,6 +70,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         req = await frontend.submit(Submission(prompt_ids, raw_params(request.sampling_params),
                                                request_id=request_id,
                                                owner=principal(context, self.token_required),
+                                               authorization=_authorization(context),
+                                               retention_s=request.retention_s,
                                                priority=request.priority,
                                                cache_salt=request.cache_salt, deadline=deadline,
                                                skip_special_tokens=request.skip_special_tokens))
@@ -73,7 +83,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Abort(self, request, context):
         return gateway_pb2.AbortResponse(
-            found=self.engine.abort(request.request_id, principal(context, self.token_required)))
+            found=self.engine.abort(request.request_id, self.frontend.tenants.owner(_authorization(context))
+                                    or principal(context, self.token_required)))
 
     async def GetModelInfo(self, request, context):
         engine = self.engine

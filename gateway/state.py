@@ -64,7 +64,9 @@ class Request:
     spec: SamplingSpec
     seed: int
     priority: int = 0
-    cache_salt: str = ""
+    cache_salt: str = ""                # the effective one: the tenant's namespace narrowed by the client's salt
+    tenant: str = ""                    # who it belongs to (per-tenant quotas at the memory service)
+    retention_s: float = 0.0            # its prompt's blocks stay cached this long after it ends
     arrival: int = 0
     executor_id: str = ""
     deadline: float | None = None       # loop.time() after which it is aborted

@@ -41,7 +41,7 @@ def new_sequence(seq: Seq, ex: ExecutorClient) -> memory_pb2.NewSequence:
         seq_id=seq.seq_id, executor_id=seq.executor_id, prompt_token_ids=pack_i32(seq.tokens),
         priority=req.priority, cache_salt=req.cache_salt,
         max_total_tokens=len(req.prompt_ids) + req.spec.max_tokens, prompt_block_hashes=hashes,
-        request_id=req.request_id)
+        request_id=req.request_id, tenant=req.tenant, retention_s=req.retention_s)
 
 
 def step_request(step_id: int, changes: Changes, batch: Batch,
@@ -79,7 +79,8 @@ class Rejection:
 
 
 _REJECTIONS = {common_pb2.REJECTION_REASON_OVER_CONTEXT_LIMIT: InvalidArgument,
-               common_pb2.REJECTION_REASON_OVER_POOL: ResourceExhausted}
+               common_pb2.REJECTION_REASON_OVER_POOL: ResourceExhausted,
+               common_pb2.REJECTION_REASON_OVER_QUOTA: ResourceExhausted}
 
 
 def rejections(plan: memory_pb2.StepPlan) -> list[Rejection]:

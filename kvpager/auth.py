@@ -25,21 +25,23 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     """Rejects calls without the right bearer token with UNAUTHENTICATED.
 
     Args:
-        token: the shared secret; must be non-empty.
+        token: the shared secret (may be empty when ``also`` holds tokens).
         open_methods: full method names ("/kvpager.v1.MemoryService/GetAccounting")
             that need no token.
+        also: more full-access tokens (the gateway's tenant tokens).
         read_only_token: a second secret accepted (besides ``token``) on
             ``read_only_methods`` only: an operator's view that cannot mutate.
         read_only_methods: the methods ``read_only_token`` opens.
     """
 
-    def __init__(self, token: str, open_methods: frozenset[str] = frozenset(), *,
+    def __init__(self, token: str, open_methods: frozenset[str] = frozenset(), also: tuple[str, ...] = (), *,
                  read_only_token: str | None = None, read_only_methods: frozenset[str] = frozenset()) -> None:
-        if not token:
+        tokens = [t for t in (token, *also) if t]
+        if not tokens:
             raise ValueError("TokenAuth needs a non-empty token")
-        if read_only_token is not None and (not read_only_token or read_only_token == token):
-            raise ValueError("the read-only token must be non-empty and differ from the admin token")
-        self._expected = _bearer(token)
+        if read_only_token is not None and (not read_only_token or read_only_token in tokens):
+            raise ValueError("the read-only token must be non-empty and differ from the admin token (and every tenant token)")
+        self._expected = tuple(_bearer(t) for t in tokens)  # ``also``: more accepted (tenants')
         self._read_only = _bearer(read_only_token) if read_only_token else None
         self.open_methods = frozenset(open_methods)
         self.read_only_methods = frozenset(read_only_methods)
@@ -52,8 +54,11 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         for key, value in metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else bytes(value)
-                # Constant time, so the comparison leaks nothing about the secret.
-                if hmac.compare_digest(given, self._expected):
+                # Constant time, and against every token, so the comparison leaks nothing about a secret.
+                ok = False
+                for expected in self._expected:
+                    ok |= hmac.compare_digest(given, expected)
+                if ok:
                     return True
                 return (self._read_only is not None and method in self.read_only_methods
                         and hmac.compare_digest(given, self._read_only))

@@ -268,9 +268,10 @@ def client_tls_from_args(args: argparse.Namespace) -> ClientTls | None:
 # --- server-side checks -----------------------------------------------------------------------------------
 
 
-def token_auth(token: str | None, open_methods: frozenset[str] = frozenset()) -> TokenAuth | None:
-    """A TokenAuth interceptor, or None when no token is configured."""
-    return TokenAuth(token, open_methods=open_methods) if token else None
+def token_auth(token: str | None, open_methods: frozenset[str] = frozenset(),
+               also: tuple[str, ...] = ()) -> TokenAuth | None:
+    """A TokenAuth interceptor, or None when no token is configured (``also``: more accepted tokens)."""
+    return TokenAuth(token or "", open_methods=open_methods, also=also) if token or also else None
 
 
 def memory_auth(admin_token: str | None, open_read_only: bool,

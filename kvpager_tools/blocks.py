@@ -7,10 +7,14 @@ import json
 import sys
 
 # The JSON keys promised to operators, in display order.
-KEYS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots",
-        "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate",
+KEYS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_usage", "live_tokens",
+        "allocated_slots", "token_occupancy", "kv_utilization", "logical_blocks", "physical_blocks",
+        "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens",
+        "recompute_query_tokens", "recompute_hit_tokens", "recompute_hit_rate",
         "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks",
-        "num_sequences", "num_swapped_sequences", "swap_free_blocks", "copy_on_write_copies", "evictions")
+        "contiguous_declared_blocks", "num_sequences", "num_swapped_sequences", "swap_free_blocks",
+        "copy_on_write_copies", "evictions",
+        "pinned_blocks", "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -56,8 +56,8 @@ class InProcessStack:
 
 
 async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 96, block_size: int = 4,
-                           swap_blocks: int = 64, swap_min_tokens: int = 256, redis_url: str | None = None,
-                           http: dict | None = None, gateway_kw: dict | None = None,
+                           swap_blocks: int = 64, swap_min_tokens: int = 256, preemption_mode: str = "cost",
+                           redis_url: str | None = None, http: dict | None = None, gateway_kw: dict | None = None,
                            metrics: bool = False, memory_kw: dict | None = None,
                            **engine_kw) -> InProcessStack:
     """Memory service, ``executors`` executors and a gateway (EngineConfig ``engine_kw``) in this
@@ -75,7 +75,8 @@ async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 
     from memory_service.service import MemoryConfig, MemoryServer
 
     mport = 0 if metrics else None
-    memory = await MemoryServer(MemoryConfig(port=0, swap_min_tokens=swap_min_tokens, redis_url=redis_url,
+    memory = await MemoryServer(MemoryConfig(port=0, swap_min_tokens=swap_min_tokens,
+                                             preemption_mode=preemption_mode, redis_url=redis_url,
                                              metrics_port=mport, **(memory_kw or {}))).start()
     exs = []
     for i in range(executors):

@@ -12,12 +12,10 @@ from kvpager_tools.stack import Stack, StackError, _tail
 from kvpager_tools.stack_config import DEMO_NUM_BLOCKS, StackConfig
 
 # Gateway flags `kvpager up` forwards when given: (flag, type, help). One line
-# per flag, so that a new gateway option is one line here.
+# per flag, so that a new gateway option is one line here. (The scheduling
+# group is the gateway's own definition, gateway.cli.add_scheduling_arguments,
+# and is always passed on.)
 GATEWAY_FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("--max-batch-tokens", int, "tokens each executor computes per step"),
-    ("--max-running", int, "sequences each executor runs per step"),
-    ("--max-waiting", int, "requests in flight before RESOURCE_EXHAUSTED"),
-    ("--policy", str, "fcfs | priority"),
     ("--routing", str, "prefix | round-robin"),
     ("--max-prompt-tokens", int, "longest prompt accepted, in tokens"),
     ("--step-timeout-s", float, "deadline of each internal Step and Execute call"),
@@ -81,8 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--demo", action="store_true",
                    help="run a short streaming demo against the stack, show block accounting, then stop "
                         f"(pool of {DEMO_NUM_BLOCKS} blocks unless sized)")
+    from gateway.cli import add_scheduling_arguments
     from kvpager.security import add_security_arguments
 
+    add_scheduling_arguments(p)  # passed on to the gateway, every one
     # Passed to every child: TLS files as flags, tokens through the environment.
     add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True, open_read_only=True,
                            read_only_token=True)
@@ -93,6 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> StackConfig:
+    from gateway.cli import scheduling_argv
     from kvpager.security import security_from_args
 
     security = security_from_args(args)
@@ -110,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         model_impl=args.model_impl, log_dir=args.log_dir,
         log_level=args.log_level, ready_timeout_s=args.ready_timeout_s, grace_s=args.grace_s,
         drain_timeout_s=args.drain_timeout_s, generate_admin_token=not args.no_admin_token,
-        extra_args={"gateway": flags} if (flags := gateway_flags(args)) else {},
+        extra_args={"gateway": scheduling_argv(args) + gateway_flags(args)},
         security=security if security.enabled or security.open_read_only or security.read_only_token else None)
 
 

@@ -2,14 +2,32 @@
 
 The seeds' whole argument made visible: how many blocks are used, how full
 they are, how much sharing saves, how often prefixes hit, and what a
-contiguous max-length reservation would have needed for the same sequences.
+contiguous reservation would have needed for the same sequences.
 Computed on demand (O(blocks held)); never on the allocation path.
+
+Figures that read alike are kept apart so none can be misread for another:
+
+* ``block_usage`` (used blocks / pool blocks) beside ``token_occupancy``
+  (live tokens / pool token slots) and ``kv_utilization`` (live tokens /
+  slots of the used blocks: the fill of what is allocated);
+* ``prefix_hit_rate`` is over first prefills only; a re-admission after a
+  preemption by recompute counts in ``recompute_*`` (its hits are the
+  sequence finding its own blocks again, not sharing);
+* ``preempt_*``: the mode policy's estimates summed over its decisions,
+  beside the executor's measured rates they came from;
+* ``pinned_blocks``: blocks retained for requests that asked (``retention_s``),
+  pins not yet expired;
+* two contiguous counterfactuals for the sequences holding KV:
+  ``contiguous_equivalent_blocks`` reserves the full context per sequence
+  (the seeds' worst case), ``contiguous_declared_blocks`` what each request
+  declared (prompt + max_tokens, Orca's "max" setting).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from memory_service.costs import ExecutorCosts
 from memory_service.kv_manager import ExecutorKV
 from kvpager.seq_status import SeqStatus
 from memory_service.sequence import Sequence
@@ -25,16 +43,22 @@ class PoolAccounting:
     live_tokens: int = 0
     allocated_slots: int = 0
     kv_utilization: float = 0.0
+    block_usage: float = 0.0
+    token_occupancy: float = 0.0
     logical_blocks: int = 0
     physical_blocks: int = 0
     sharing_saved_blocks: int = 0
     prefix_hit_rate: float = 0.0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    recompute_query_tokens: int = 0
+    recompute_hit_tokens: int = 0
+    recompute_hit_rate: float = 0.0
     preemptions: int = 0
     preemptions_recompute: int = 0
     preemptions_swap: int = 0
     contiguous_equivalent_blocks: int = 0
+    contiguous_declared_blocks: int = 0
     num_sequences: int = 0
     num_swapped_sequences: int = 0
     swap_total_blocks: int = 0
@@ -44,6 +68,13 @@ class PoolAccounting:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     block_size: int = 0
+    preempt_recompute_tokens: int = 0
+    preempt_swap_bytes: int = 0
+    preempt_cost_s: float = 0.0
+    preempt_saved_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    swap_bytes_per_s: float = 0.0
+    pinned_blocks: int = 0
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -53,12 +84,19 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccounting:
+def _ratio(a: int, b: int) -> float:
+    return a / b if b else 0.0
+
+
+def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence], costs: ExecutorCosts | None = None,
+                        pinned_blocks: int = 0) -> PoolAccounting:
+    """One executor's figures; ``costs``: what it last measured (shown beside the estimates made from it)."""
     bs = kv.block_size
     pool = kv.pool
     filled: dict[int, int] = {}   # block id -> slots written (max over sharers)
     logical = 0
     running = swapped = 0
+    declared = 0
     max_len = kv.spec.max_model_len or kv.spec.num_blocks * bs
     for seq_id in kv.seq_ids:
         seq = seqs[seq_id]
@@ -67,6 +105,7 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccoun
         if not seq.blocks:
             continue
         running += 1
+        declared += _cdiv(seq.token_limit or max_len, bs)
         logical += len(seq.blocks)
         n = seq.num_computed
         for i, block in enumerate(seq.blocks):
@@ -86,16 +125,22 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccoun
         live_tokens=live,
         allocated_slots=used * bs,
         kv_utilization=live / (used * bs) if used else 0.0,
+        block_usage=used / pool.num_blocks,
+        token_occupancy=live / (pool.num_blocks * bs),
         logical_blocks=logical,
         physical_blocks=physical,
         sharing_saved_blocks=logical - physical,
         prefix_hit_rate=c.prefix_hit_tokens / c.prefix_query_tokens if c.prefix_query_tokens else 0.0,
         prefix_query_tokens=c.prefix_query_tokens,
         prefix_hit_tokens=c.prefix_hit_tokens,
+        recompute_query_tokens=c.recompute_query_tokens,
+        recompute_hit_tokens=c.recompute_hit_tokens,
+        recompute_hit_rate=_ratio(c.recompute_hit_tokens, c.recompute_query_tokens),
         preemptions=c.preemptions_recompute + c.preemptions_swap,
         preemptions_recompute=c.preemptions_recompute,
         preemptions_swap=c.preemptions_swap,
         contiguous_equivalent_blocks=running * _cdiv(max_len, bs),
+        contiguous_declared_blocks=declared,
         num_sequences=running,
         num_swapped_sequences=swapped,
         swap_total_blocks=kv.swap.num_blocks,
@@ -105,14 +150,24 @@ def executor_accounting(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolAccoun
         swapped_out_blocks=c.swapped_out_blocks,
         swapped_in_blocks=c.swapped_in_blocks,
         block_size=bs,
+        preempt_recompute_tokens=c.preempt_recompute_tokens,
+        preempt_swap_bytes=c.preempt_swap_bytes,
+        preempt_cost_s=c.preempt_cost_s,
+        preempt_saved_s=c.preempt_saved_s,
+        prefill_tokens_per_s=costs.prefill_tokens_per_s[-1] if costs and costs.prefill_tokens_per_s else 0.0,
+        swap_bytes_per_s=costs.swap_bytes_per_s if costs else 0.0,
+        pinned_blocks=pinned_blocks,
     )
 
 
 _SUMMED = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots",
            "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_query_tokens", "prefix_hit_tokens",
+           "recompute_query_tokens", "recompute_hit_tokens",
            "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks",
+           "contiguous_declared_blocks",
            "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks",
-           "copy_on_write_copies", "evictions", "swapped_out_blocks", "swapped_in_blocks")
+           "copy_on_write_copies", "evictions", "swapped_out_blocks", "swapped_in_blocks",
+           "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s", "pinned_blocks")
 
 
 def total_accounting(parts: list[PoolAccounting]) -> PoolAccounting:
@@ -122,9 +177,11 @@ def total_accounting(parts: list[PoolAccounting]) -> PoolAccounting:
             setattr(total, name, getattr(total, name) + getattr(part, name))
     sizes = {p.block_size for p in parts}
     total.block_size = sizes.pop() if len(sizes) == 1 else 0
-    total.kv_utilization = total.live_tokens / total.allocated_slots if total.allocated_slots else 0.0
-    total.prefix_hit_rate = (total.prefix_hit_tokens / total.prefix_query_tokens
-                             if total.prefix_query_tokens else 0.0)
+    total.kv_utilization = _ratio(total.live_tokens, total.allocated_slots)
+    total.block_usage = _ratio(total.used_blocks, total.total_blocks)
+    total.token_occupancy = _ratio(total.live_tokens, sum(p.total_blocks * p.block_size for p in parts))
+    total.prefix_hit_rate = _ratio(total.prefix_hit_tokens, total.prefix_query_tokens)
+    total.recompute_hit_rate = _ratio(total.recompute_hit_tokens, total.recompute_query_tokens)
     return total
 
 

@@ -32,6 +32,8 @@ class Block:
     next_free: Block | None = None
     in_free_queue: bool = False
     free_tier: int = 0  # which queue of a TieredFreeQueue holds it (the eviction policy's tier)
+    # Prefix retention (memory_service.retention): kept cached until then (monotonic s; 0 = not pinned).
+    retain_until: float = 0.0
 
 
 class FreeBlockQueue:

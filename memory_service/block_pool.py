@@ -67,6 +67,7 @@ class BlockPool:
             self.events.emit(BlockRemoved(self.executor_id, block.block_hash, block.block_id))
         block.block_hash = None
         block.token_ids = None
+        block.retain_until = 0.0  # a pin keeps content, and the content is gone
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on blocks found in the prefix index."""

@@ -8,11 +8,28 @@ import os
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from memory_service.policy import MODE_POLICIES, VICTIM_POLICIES
+
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     p.add_argument("--lease-s", type=float, default=5.0, help="executor heartbeat lease in seconds")
-    p.add_argument("--swap-min-tokens", type=int, default=256,
-                   help="preempt by swap (not recompute) from this many computed tokens")
+    pre = p.add_argument_group("preemption (docs/architecture.md, Preemption by measured cost)")
+    pre.add_argument("--preemption-mode", choices=MODE_POLICIES, default="cost",
+                     help="recompute or swap per victim: cost (default: the cheaper at the executor's measured "
+                          "prefill throughput and copy bandwidth), threshold (--swap-min-tokens), recompute, swap")
+    pre.add_argument("--swap-min-tokens", type=int, default=256,
+                     help="threshold mode (and cost mode until an executor has measured its rates): swap victims "
+                          "with at least this many computed tokens")
+    pre.add_argument("--victim-policy", choices=sorted(VICTIM_POLICIES), default="newest",
+                     help="who is preempted among the least important: newest arrival (default) or the one whose "
+                          "preemption wastes least per block freed")
+    p.add_argument("--tenant-max-blocks", type=float, default=0.0,
+                   help="per-tenant quota of each executor's pool: below 1 a fraction, from 1 a block count "
+                        "(default 0: none). A tenant at its quota preempts only its own sequences; no tenant is "
+                        "preempted for another; a request that can never fit it is RESOURCE_EXHAUSTED")
+    p.add_argument("--tenant-max-pinned-blocks", type=float, default=0.25,
+                   help="per-tenant budget of blocks retained for requests that ask (retention_s), per pool: "
+                        "below 1 a fraction, from 1 a count (default 0.25; 0: no retention)")
     p.add_argument("--grace-s", type=float, default=5.0, help="graceful stop period")
     p.add_argument("--redis-url", default=os.environ.get("KVPAGER_REDIS_URL") or None,
                    help="mirror the prefix index to this Redis, redis://[user:pass@]host:port/db "
@@ -67,6 +84,9 @@ def config_from_args(args: argparse.Namespace):
     if security.read_only_token and not security.admin_token:
         raise ValueError("--read-only-token needs an admin token (--admin-token-file or $KVPAGER_ADMIN_TOKEN): "
                          "without one every RPC is open")
+    for flag in ("tenant_max_blocks", "tenant_max_pinned_blocks"):
+        if not getattr(args, flag) >= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag):g}")
     defaults = MemoryLimits()
     limits = MemoryLimits(**{name: getattr(args, name, getattr(defaults, name)) for name in (
         "max_pool_blocks", "max_total_blocks", "max_executors", "max_executor_id_chars", "max_name_chars",
@@ -74,7 +94,10 @@ def config_from_args(args: argparse.Namespace):
     return MemoryConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host, http_port=args.http_port,
                         http_host=args.http_host or args.host, lease_s=args.lease_s,
-                        swap_min_tokens=args.swap_min_tokens, grace_s=args.grace_s,
+                        preemption_mode=args.preemption_mode, swap_min_tokens=args.swap_min_tokens,
+                        victim_policy=args.victim_policy, tenant_max_blocks=args.tenant_max_blocks,
+                        tenant_max_pinned_blocks=args.tenant_max_pinned_blocks,
+                        grace_s=args.grace_s,
                         redis_url=getattr(args, "redis_url", None), tls=security.server_tls(),
                         client_tls=security.client_tls(), admin_token=security.admin_token,
                         read_only_token=security.read_only_token, open_read_only=security.open_read_only,

@@ -46,13 +46,20 @@ class ExecutorSpec:
 
 @dataclass(slots=True)
 class Counters:
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0    # first admissions: prompt tokens looked up
+    prefix_hit_tokens: int = 0      # ... and found cached
+    recompute_query_tokens: int = 0  # re-admissions after preemption by recompute: tokens to compute again
+    recompute_hit_tokens: int = 0    # ... that the cache still held (the rest is prefill redone)
     preemptions_recompute: int = 0
     preemptions_swap: int = 0
     cow_copies: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    # The planner's preemption estimates (memory_service.policy), summed over its decisions:
+    preempt_recompute_tokens: int = 0  # prefill to redo, of the victims recomputed
+    preempt_swap_bytes: int = 0        # host-link bytes (out + in), of the victims swapped
+    preempt_cost_s: float = 0.0        # the chosen modes' estimated seconds (where measured)
+    preempt_saved_s: float = 0.0       # the other modes' seconds minus the chosen ones' (both measured)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -147,9 +154,13 @@ class ExecutorKV:
         seq.num_computed = num_hit_tokens
         seq.num_cached_blocks = len(hits)
         seq.status = SeqStatus.RUNNING
+        c = self.counters
         if count_hits:
-            self.counters.prefix_query_tokens += seq.num_tokens
-            self.counters.prefix_hit_tokens += num_hit_tokens
+            c.prefix_query_tokens += seq.num_tokens
+            c.prefix_hit_tokens += num_hit_tokens
+        else:
+            c.recompute_query_tokens += seq.num_tokens
+            c.recompute_hit_tokens += num_hit_tokens
         self._start(seq, num_hit_tokens, num_hit_tokens if count_hits else 0)
         return num_hit_tokens, k
 

@@ -22,7 +22,10 @@ from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 from memory_service.limits import MemoryLimits, check_name
 from memory_service.planner import Planner
-from memory_service.policy import EvictionPolicy, ModePolicy, VictimEligibility, VictimPolicy
+from memory_service.costs import ExecutorCosts
+from memory_service.policy import (CostModePolicy, EvictionPolicy, ModePolicy, RetentionEvictionPolicy, TenantQuota,
+                                   VictimEligibility, VictimPolicy)
+from memory_service.retention import PinBudget
 from memory_service.records import NewSeq, PrefixScore, Rejected, RejectionReason, StepInput, StepOutput
 from memory_service.sequence import PLACEHOLDER, Sequence
 from memory_service.validation import DecodeStep, StepValidator
@@ -31,27 +34,35 @@ from memory_service.validation import DecodeStep, StepValidator
 class MemoryManager:
     def __init__(self, victim_policy: VictimPolicy | None = None, mode_policy: ModePolicy | None = None,
                  events: EventQueue | None = None, *, eligibility: VictimEligibility | None = None,
-                 eviction: EvictionPolicy | None = None, limits: MemoryLimits | None = None) -> None:
+                 eviction: EvictionPolicy | None = None, limits: MemoryLimits | None = None,
+                 quota: TenantQuota | None = None, retention: PinBudget | None = None) -> None:
         self.limits = limits or MemoryLimits()
+        # Prefix retention: pins budgeted per tenant, retained blocks evicted last (no budget: no pins).
+        self.retention = retention or PinBudget(None)
+        if eviction is None and self.retention.quota is not None:
+            eviction = RetentionEvictionPolicy(self.retention.clock)
         self.victim_policy = victim_policy or VictimPolicy()
-        self.mode_policy = mode_policy or ModePolicy()
+        self.mode_policy = mode_policy or CostModePolicy()
         self.eviction = eviction or EvictionPolicy()
         self.events = events if events is not None else EventQueue()
         self.executors: dict[str, ExecutorKV] = {}
         self.seqs: dict[int, Sequence] = {}
         self._namespaces: dict[str, bytes] = {}
+        self.costs: dict[str, ExecutorCosts] = {}  # executor id -> what it last measured (mode policy input)
         self.validator = StepValidator(self.seqs, self.executors, max_fork_children=self.limits.max_fork_children)
         self.planner = Planner(self.seqs, self.executors, eligibility=eligibility or VictimEligibility(),
-                               victims=self.victim_policy, modes=self.mode_policy)
+                               victims=self.victim_policy, modes=self.mode_policy, costs=self.costs,
+                               quota=quota)
         self._arrivals = itertools.count()
         self.last_step_id = 0
         self._last_output: StepOutput | None = None
 
     # ---- executors ------------------------------------------------------------
 
-    def register_executor(self, spec: ExecutorSpec) -> bool:
+    def register_executor(self, spec: ExecutorSpec, costs: ExecutorCosts | None = None) -> bool:
         """Add (or replace) an executor's pool. Returns True when an earlier
-        incarnation was dropped together with its sequences."""
+        incarnation was dropped together with its sequences. ``costs``: what
+        it measured so far (kept until the next report)."""
         if spec.num_blocks <= 0 or spec.block_size <= 0 or spec.num_swap_blocks < 0:
             raise InvalidArgument("num_blocks and block_size must be positive, num_swap_blocks >= 0")
         if not spec.executor_id:
@@ -63,12 +74,21 @@ class MemoryManager:
                     and old.spec.num_blocks == spec.num_blocks and old.spec.block_size == spec.block_size)
             if same:
                 old.spec.address = spec.address or old.spec.address
+                self.update_costs(spec.executor_id, costs)
                 return False
             self._drop_executor(old)
         self.executors[spec.executor_id] = ExecutorKV(spec, self.events, self.eviction)
+        self.costs.pop(spec.executor_id, None)
+        self.update_costs(spec.executor_id, costs)
         self._namespaces[spec.executor_id] = namespace_digest(spec.model_id, spec.block_size, spec.dtype,
                                                               spec.adapter)
         return old is not None
+
+    def update_costs(self, executor_id: str, costs: ExecutorCosts | None) -> None:
+        """An executor's newest measurements (registration, heartbeats); None keeps the last."""
+        self._executor(executor_id)
+        if costs is not None:
+            self.costs[executor_id] = costs
 
     def _check_registration(self, spec: ExecutorSpec) -> None:
         """Names, pool sizes and the registry's room, before anything is built."""
@@ -95,6 +115,7 @@ class MemoryManager:
                                      f"not {incarnation}")
         dropped = self._drop_executor(kv)
         del self.executors[executor_id]
+        self.costs.pop(executor_id, None)
         return dropped
 
     def _drop_executor(self, kv: ExecutorKV) -> int:
@@ -106,6 +127,7 @@ class MemoryManager:
             self.validator.remember_freed(seq_id)
         kv.seq_ids.clear()
         kv.pool.clear()
+        self.retention.forget(kv.spec.executor_id)
         return len(ids)
 
     def _executor(self, executor_id: str) -> ExecutorKV:
@@ -193,10 +215,18 @@ class MemoryManager:
             return Rejected(new.seq_id, RejectionReason.OVER_POOL,
                             f"sequence needs {max(n, new.max_total_tokens)} tokens; the executor's KV pool "
                             f"holds {kv.spec.num_blocks * kv.spec.block_size} in all")
+        quota = self.planner.quota
+        if quota is not None:
+            cap = quota.cap(kv.spec.num_blocks)
+            if -(-max(n, new.max_total_tokens) // kv.block_size) > cap:
+                return Rejected(new.seq_id, RejectionReason.OVER_QUOTA,
+                                f"sequence needs {max(n, new.max_total_tokens)} tokens; its tenant may hold "
+                                f"{cap * kv.block_size} on this executor (tenant quota)")
         seq = Sequence(new.seq_id, new.executor_id, list(new.prompt_token_ids),
                        root_hash(self._namespaces[new.executor_id], new.cache_salt),
                        priority=new.priority, arrival=next(self._arrivals),
-                       max_total_tokens=new.max_total_tokens, num_prompt_tokens=n, request_id=new.request_id)
+                       max_total_tokens=new.max_total_tokens, num_prompt_tokens=n, request_id=new.request_id,
+                       tenant=new.tenant, retention_s=new.retention_s)
         seq.token_limit = self._token_limit(seq)
         if new.prompt_block_hashes:
             seq.block_hashes = list(new.prompt_block_hashes)  # computed once, by the router
@@ -215,7 +245,8 @@ class MemoryManager:
                              max_total_tokens=parent.max_total_tokens, admitted=parent.admitted,
                              num_cached_tokens=parent.num_cached_tokens,
                              num_prompt_tokens=parent.num_prompt_tokens, token_limit=parent.token_limit,
-                             request_id=parent.request_id)
+                             request_id=parent.request_id, tenant=parent.tenant,
+                             retention_s=parent.retention_s)
             shared += kv.fork(parent, child)
             self.seqs[child_id] = child
             kv.seq_ids.add(child_id)
@@ -228,6 +259,8 @@ class MemoryManager:
         kv = self.executors[seq.executor_id]
         kv.seq_ids.discard(seq_id)
         self.validator.remember_freed(seq_id)
+        if seq.retention_s > 0 and seq.blocks:  # pinned before the free: the eviction policy reads the pin
+            self.retention.pin(seq, kv.pool.num_blocks, kv.block_size)
         return kv.release(seq)
 
     # ---- stand-alone operations ---------------------------------------------------
@@ -282,7 +315,8 @@ class MemoryManager:
     def accounting(self, executor_id: str = "") -> tuple[PoolAccounting, list[PoolAccounting]]:
         """(total, per executor); with executor_id, only that executor."""
         kvs = [self._executor(executor_id)] if executor_id else list(self.executors.values())
-        parts = [executor_accounting(kv, self.seqs) for kv in kvs]
+        parts = [executor_accounting(kv, self.seqs, self.costs.get(kv.spec.executor_id),
+                                     self.retention.count(kv.spec.executor_id)) for kv in kvs]
         return total_accounting(parts), parts
 
     def check_invariants(self) -> list[str]:

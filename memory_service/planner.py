@@ -6,8 +6,12 @@ tokens (copy-on-write where it would write into a shared block), a swapped
 one is swapped in, a waiting one is admitted (prefix hits first). When that
 fails, ``make_room`` preempts: the eligibility policy says who may give
 blocks back, the victim policy who goes first, the mode policy how (swap or
-recompute). Allocation for one sequence either succeeds or that sequence is
-not scheduled: failure never leaves partial state.
+recompute, from both modes' estimated cost at the executor's measured
+rates; the decision and its estimate go into the step's output). With
+per-tenant quotas a tenant at its quota preempts only its own sequences
+and no tenant's are preempted for another's. Allocation for one sequence
+either succeeds or that sequence is not scheduled: failure never leaves
+partial state.
 
 An executor's plan lists its rows (sequence, tokens computed now), the
 changes to its block tables since its last plan and its cache ops; an
@@ -22,8 +26,10 @@ from collections.abc import Callable
 
 from kvpager.seq_status import SeqStatus
 from memory_service.block import Block
+from memory_service.costs import ExecutorCosts
 from memory_service.kv_manager import ExecutorKV
-from memory_service.policy import ModePolicy, PreemptionMode, VictimEligibility, VictimPolicy
+from memory_service.policy import (ModePolicy, PreemptionDecision, PreemptionMode, TenantQuota, VictimEligibility,
+                                   VictimPolicy, estimate_preemption)
 from memory_service.records import ExecutorStepPlan, StepInput, StepOutput
 from memory_service.sequence import Sequence
 from memory_service.validation import DecodeStep
@@ -40,6 +46,23 @@ def _add_row(rows: Rows, executor_id: str, seq_id: int, k: int) -> None:
     r[1].append(k)
 
 
+def tenant_blocks(kv: ExecutorKV, seqs: dict[int, Sequence], tenant: str) -> set[int]:
+    """Device blocks the tenant's sequences hold on this executor (each once)."""
+    return {b for i in kv.seq_ids if (s := seqs[i]).tenant == tenant for b in s.block_ids}
+
+
+def blocks_to_add(kv: ExecutorKV, seq: Sequence, k: int, held: set[int]) -> int:
+    """Blocks seq's tenant would newly hold once seq has room for k more tokens."""
+    bs = kv.block_size
+    if seq.status is SeqStatus.RUNNING:
+        k = min(k, seq.num_tokens - seq.num_computed)
+        blocks = seq.blocks
+        copies = sum(1 for b in blocks[seq.num_computed // bs:] if b.ref_cnt > 1)  # copy-on-write of a shared tail
+        return max(0, -(-(seq.num_computed + k) // bs) - len(blocks)) + copies
+    need, hits = kv.room_needed(seq, min(k, seq.num_tokens - seq.num_computed))
+    return need + sum(1 for b in hits if b.block_id not in held)
+
+
 def _rows_of(seqs: list[Sequence]) -> Rows:
     """Rows of one token each, for sequences already given room, grouped by executor."""
     rows: Rows = {}
@@ -50,9 +73,13 @@ def _rows_of(seqs: list[Sequence]) -> Rows:
 
 class Planner:
     def __init__(self, seqs: dict[int, Sequence], executors: dict[str, ExecutorKV], *,
-                 eligibility: VictimEligibility, victims: VictimPolicy, modes: ModePolicy) -> None:
+                 eligibility: VictimEligibility, victims: VictimPolicy, modes: ModePolicy,
+                 costs: dict[str, ExecutorCosts] | None = None, quota: TenantQuota | None = None) -> None:
         self.seqs = seqs
+        self.quota = quota  # per-tenant block quota (None: off)
+        self._quota_bound: dict[tuple[str, str], int] = {}
         self.executors = executors
+        self.costs = costs if costs is not None else {}  # executor id -> its last measured costs
         self.eligibility = eligibility
         self.victims = victims
         self.modes = modes
@@ -66,7 +93,7 @@ class Planner:
         """Allocate step.schedule in order; fill out.preempted and out.unscheduled.
         Returns each executor's rows. ``decode``: the step passed
         ``StepValidator.check_decode``."""
-        if decode is not None:
+        if decode is not None and self.quota is None:  # the fast path has no quota check
             return self._schedule_decode(step, out, decode)
         return self._schedule(step.schedule_seq_ids, step.schedule_num_tokens, out, rejected, {}, set())
 
@@ -75,7 +102,8 @@ class Planner:
         seqs = self.seqs
         # handled: scheduled (or given up) in this step: never a victim after
         preempted: set[int] = set()
-        admission_closed: set[str] = set()
+        admission_closed: set = set()  # executor ids (with quotas: (executor id, tenant))
+        self._quota_bound: dict[tuple[str, str], int] = {}  # (executor, tenant) -> blocks held at most
         running, swapped = SeqStatus.RUNNING, SeqStatus.SWAPPED
         kv = None
         for seq_id, k in zip(seq_ids, num_tokens):
@@ -89,6 +117,16 @@ class Planner:
             if kv is None or kv.spec.executor_id != seq.executor_id:
                 kv = self.executors[seq.executor_id]
             status = seq.status
+            # With quotas, one tenant's request that does not fit closes admission for that tenant only.
+            gate = (kv.spec.executor_id, seq.tenant) if self.quota is not None else kv.spec.executor_id
+            if status is not running and status is not swapped and gate in admission_closed:
+                out.unscheduled.append(seq_id)  # FCFS: no overtaking a request that did not fit
+                continue
+            if self.quota is not None and not self._fit_quota(kv, seq, k, handled, out, preempted):
+                out.unscheduled.append(seq_id)  # its tenant is at its quota: it waits (others go on)
+                if status is not running and status is not swapped:
+                    admission_closed.add(gate)
+                continue
             if status is running:
                 k = min(k, len(seq.token_ids) - seq.num_computed)  # >= 1, validated
                 if kv.allocate_slots(seq, k) or self.make_room(
@@ -106,9 +144,6 @@ class Planner:
                 else:
                     out.unscheduled.append(seq_id)
             else:  # WAITING: new, or preempted by recompute
-                if kv.spec.executor_id in admission_closed:
-                    out.unscheduled.append(seq_id)  # FCFS: no overtaking a request that did not fit
-                    continue
                 first = not seq.admitted
                 granted: list[int] = []
 
@@ -128,7 +163,7 @@ class Planner:
                     kv.commit(seq, granted[0])
                 else:
                     out.unscheduled.append(seq_id)
-                    admission_closed.add(kv.spec.executor_id)
+                    admission_closed.add(gate)
         return rows
 
     def _schedule_decode(self, step: StepInput, out: StepOutput, decode: DecodeStep) -> Rows:
@@ -203,9 +238,10 @@ class Planner:
         reused = set(hits)
         eligible = self.eligibility.eligible
         while True:
+            own_only = self.quota is not None  # with quotas no tenant is preempted for another
             candidates = [s for s in (self.seqs[i] for i in kv.seq_ids)
                           if s.status is SeqStatus.RUNNING and (s.seq_id not in handled or s is seq)
-                          and eligible(s, seq)]
+                          and eligible(s, seq) and (not own_only or s.tenant == seq.tenant)]
             if not candidates:
                 return False
             if room_needed is not None:
@@ -218,18 +254,69 @@ class Planner:
                 free = kv.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
                 if free + reclaimable < need:
                     return False
-            victim = self.victims.select(candidates)
-            self.preempt(victim, kv, out, preempted)
+            taken = max(1, need - kv.pool.num_free)  # what the requester takes of a victim's freed blocks
+            costs = self.costs.get(kv.spec.executor_id)
+            victim = self.victims.select(candidates, lambda s: estimate_preemption(
+                s, kv.block_size, kv.swap.num_free, costs, taken))
+            self.preempt(victim, kv, out, preempted, taken)
             if victim is seq:
                 return False
             if attempt():
                 return True
 
-    def preempt(self, victim: Sequence, kv: ExecutorKV, out: StepOutput, preempted: set[int]) -> None:
-        mode = self.modes.choose(victim, kv.swap.num_free)
+    def _fit_quota(self, kv: ExecutorKV, seq: Sequence, k: int, handled: set[int], out: StepOutput,
+                   preempted: set[int]) -> bool:
+        """Whether seq may take the blocks its next k tokens need without its
+        tenant going over its quota, preempting the tenant's own sequences
+        (by the same eligibility and victim policies) until it may."""
+        cap = self.quota.cap(kv.pool.num_blocks)
+        # An upper bound of the tenant's blocks, kept through the step, spares the walk while it fits
+        # (it only grows by what each grant could add, and preemptions only lower the truth).
+        key = (kv.spec.executor_id, seq.tenant)
+        bound = self._quota_bound.get(key)
+        upper = blocks_to_add(kv, seq, k, set())
+        if bound is not None and bound + upper <= cap:
+            self._quota_bound[key] = bound + upper
+            return True
+        eligible = self.eligibility.eligible
+        while True:
+            held = tenant_blocks(kv, self.seqs, seq.tenant)
+            add = blocks_to_add(kv, seq, k, held)
+            if len(held) + add <= cap:
+                self._quota_bound[key] = len(held) + add
+                return True
+            candidates = [s for s in (self.seqs[i] for i in kv.seq_ids)
+                          if s.tenant == seq.tenant and s.status is SeqStatus.RUNNING
+                          and (s.seq_id not in handled or s is seq) and eligible(s, seq)]
+            if not candidates:
+                return False
+            costs = self.costs.get(kv.spec.executor_id)
+            victim = self.victims.select(candidates, lambda s: estimate_preemption(
+                s, kv.block_size, kv.swap.num_free, costs))
+            self.preempt(victim, kv, out, preempted)
+            if victim is seq:
+                return False
+
+    def preempt(self, victim: Sequence, kv: ExecutorKV, out: StepOutput, preempted: set[int],
+                taken_blocks: int = 1) -> PreemptionDecision:
+        est = estimate_preemption(victim, kv.block_size, kv.swap.num_free, self.costs.get(kv.spec.executor_id),
+                                  taken_blocks)
+        decision = self.modes.choose(victim, est)
+        mode = decision.mode
+        c = kv.counters
         if mode is PreemptionMode.SWAP:
             kv.preempt_swap(victim)
+            c.preempt_swap_bytes += 2 * est.swap_bytes
         else:
             kv.preempt_recompute(victim)
+            c.preempt_recompute_tokens += est.recompute_tokens
+        chosen, other = est.cost_s(mode), est.cost_s(
+            PreemptionMode.RECOMPUTE if mode is PreemptionMode.SWAP else PreemptionMode.SWAP)
+        if chosen is not None:
+            c.preempt_cost_s += chosen
+            if other is not None and est.swap_fits:
+                c.preempt_saved_s += other - chosen
         preempted.add(victim.seq_id)
         out.preempted.append((victim.seq_id, mode))
+        out.decisions.append(decision)
+        return decision

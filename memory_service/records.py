@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from memory_service.changes import CacheOpsBuilder, TableChanges
-from memory_service.policy import PreemptionMode
+from memory_service.policy import PreemptionDecision, PreemptionMode
 
 
 @dataclass(slots=True)
@@ -25,6 +25,8 @@ class NewSeq:
     # the prompt's leading full-block hashes as the router computed them (None: hash here)
     prompt_block_hashes: list[bytes] | None = None
     request_id: str = ""            # the client's, for operators (logs, the block map)
+    tenant: str = ""                # whose blocks these are (per-tenant quotas)
+    retention_s: float = 0.0        # pin its prompt's blocks this long after it ends (memory_service.retention)
 
 
 @dataclass(slots=True)
@@ -66,6 +68,7 @@ class RejectionReason(enum.Enum):
 
     OVER_CONTEXT_LIMIT = "over_context_limit"   # longer than the executor's context limit
     OVER_POOL = "over_pool"                     # needs more blocks than the whole pool holds
+    OVER_QUOTA = "over_quota"                   # needs more blocks than its tenant may hold
 
 
 @dataclass(slots=True)
@@ -80,6 +83,7 @@ class StepOutput:
     step_id: int
     executor_plans: list[ExecutorStepPlan] = field(default_factory=list)
     preempted: list[tuple[int, PreemptionMode]] = field(default_factory=list)
+    decisions: list[PreemptionDecision] = field(default_factory=list)  # beside preempted: why, at what cost
     unscheduled: list[int] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
 

@@ -44,6 +44,8 @@ class Sequence:
     # flight is sampling; the next appends replace them. Never hashed.
     num_pending: int = 0
     request_id: str = ""            # the client's request (operators only; never a key)
+    tenant: str = ""                # whose blocks these are (per-tenant quotas; forks inherit it)
+    retention_s: float = 0.0        # keep its prompt's blocks cached this long after it ends (retention.py)
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,8 @@ from kvpager.v1 import memory_pb2_grpc
 from memory_service.events import EventQueue
 from memory_service.limits import MemoryLimits
 from memory_service.manager import MemoryManager
-from memory_service.policy import ModePolicy
+from memory_service.policy import VICTIM_POLICIES, TenantQuota, make_mode_policy
+from memory_service.retention import PinBudget
 from memory_service.service_state import MemoryState
 from memory_service.servicer import MemoryServicer
 
@@ -33,7 +34,11 @@ class MemoryConfig:
     http_port: int | None = None           # the block map over HTTP (memory_service/blockmap); None = off
     http_host: str = "127.0.0.1"
     lease_s: float = 5.0
-    swap_min_tokens: int = 256
+    preemption_mode: str = "cost"          # memory_service.policy.MODE_POLICIES
+    swap_min_tokens: int = 256             # the threshold policy's (and the cost policy's fallback) length
+    victim_policy: str = "newest"          # memory_service.policy.VICTIM_POLICIES
+    tenant_max_blocks: float = 0.0         # per-tenant quota per pool: < 1 a fraction, else blocks; 0 = none
+    tenant_max_pinned_blocks: float = 0.25  # per-tenant budget of retained blocks per pool (same units); 0 = no pins
     grace_s: float = 5.0
     # The Redis mirror (docs/mirror.md): None keeps the embedded default, no Redis.
     redis_url: str | None = None           # redis://[user:pass@]host:port/db
@@ -58,7 +63,13 @@ class MemoryServer:
 
     def __init__(self, config: MemoryConfig) -> None:
         self.config = config
-        manager = MemoryManager(mode_policy=ModePolicy(swap_min_tokens=config.swap_min_tokens),
+        if config.victim_policy not in VICTIM_POLICIES:
+            raise ValueError(f"victim policy must be one of {sorted(VICTIM_POLICIES)}, got {config.victim_policy!r}")
+        manager = MemoryManager(mode_policy=make_mode_policy(config.preemption_mode, config.swap_min_tokens),
+                                victim_policy=VICTIM_POLICIES[config.victim_policy](),
+                                quota=TenantQuota(config.tenant_max_blocks) if config.tenant_max_blocks else None,
+                retention=PinBudget(TenantQuota(config.tenant_max_pinned_blocks)
+                                    if config.tenant_max_pinned_blocks else None),
                                 events=EventQueue(enabled=bool(config.redis_url)), limits=config.limits)
         self.state = MemoryState(manager, lease_s=config.lease_s)
         self.mirror = None

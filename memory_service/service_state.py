@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvpager.errors import FailedPrecondition, NotFound, Unavailable
 from kvpager.log_limits import LogLimiter, clip
 from kvpager.telemetry import get_logger
+from memory_service.costs import ExecutorCosts
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
 from memory_service.metrics import COLLECTORS, STEP_LATENCY, STEP_SEQS, AccountingCollector
@@ -42,6 +43,7 @@ class MemoryState:
         # Rebuilding from the mirror (MemoryServer.start): Steps are refused, since a block
         # allocated, written and freed meanwhile could be restored with the hash of what it held.
         self.recovering = False
+        self._last_logged: StepOutput | None = None  # the last output whose preemptions were logged
         self._collector = AccountingCollector(self)
         COLLECTORS.attach(self._collector)
 
@@ -49,8 +51,8 @@ class MemoryState:
         COLLECTORS.detach(self._collector)
 
     # executors
-    def register_executor(self, spec: ExecutorSpec) -> bool:
-        replaced = self.manager.register_executor(spec)
+    def register_executor(self, spec: ExecutorSpec, costs: ExecutorCosts | None = None) -> bool:
+        replaced = self.manager.register_executor(spec, costs)
         self._last_seen[spec.executor_id] = time.monotonic()
         log.info("executor registered", executor_id=spec.executor_id, num_blocks=spec.num_blocks,
                  block_size=spec.block_size, incarnation=spec.incarnation, replaced=replaced)
@@ -66,7 +68,7 @@ class MemoryState:
             self.mirror.on_deregister(executor_id)
         return dropped
 
-    def heartbeat(self, executor_id: str, incarnation: int) -> None:
+    def heartbeat(self, executor_id: str, incarnation: int, costs: ExecutorCosts | None = None) -> None:
         kv = self.manager.executors.get(executor_id)
         if kv is None:
             raise NotFound(f"unknown executor {clip(executor_id)!r}: register first")
@@ -74,6 +76,7 @@ class MemoryState:
             raise FailedPrecondition(f"executor {clip(executor_id)!r} is registered at incarnation "
                                      f"{kv.spec.incarnation}, not {incarnation}")
         self._last_seen[executor_id] = time.monotonic()
+        self.manager.update_costs(executor_id, costs)
         if self.mirror is not None:
             self.mirror.on_heartbeat(kv.spec)
 
@@ -114,6 +117,13 @@ class MemoryState:
         out = self.manager.step(step)
         STEP_LATENCY.observe(time.perf_counter() - t0)
         STEP_SEQS.inc(len(step.schedule_seq_ids))
+        if out.decisions and out is not self._last_logged:  # a retried step returns the same output
+            self._last_logged = out
+            for d in out.decisions:
+                e = d.estimate
+                log.info("preempted", seq_id=d.seq_id, mode=d.mode.value, reason=d.reason,
+                         recompute_tokens=e.recompute_tokens, recompute_s=e.recompute_s, swap_bytes=e.swap_bytes,
+                         swap_s=e.swap_s, freed_blocks=e.freed_blocks)
         if self.mirror is not None:
             # Step fencing: the executors the gateway will Execute this step on (a plan with rows).
             self.mirror.on_step(step.step_id, [p.executor_id for p in out.executor_plans if len(p.seq_ids)])

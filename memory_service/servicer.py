@@ -16,15 +16,21 @@ from kvpager.prefix_index.hashing import DIGEST_BYTES, unpack_hashes
 from kvpager.v1 import common_pb2, memory_pb2, memory_pb2_grpc
 from memory_service.accounting import PoolAccounting
 from memory_service.changes import CacheOpsBuilder, TableChanges
+from memory_service.costs import ExecutorCosts
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.policy import PreemptionMode
+from memory_service.retention import MAX_RETENTION_S
 from memory_service.records import NewSeq, RejectionReason, StepInput, StepOutput
 from memory_service.service_state import MemoryState
 
 _MODES = {PreemptionMode.RECOMPUTE: common_pb2.PREEMPTION_MODE_RECOMPUTE,
           PreemptionMode.SWAP: common_pb2.PREEMPTION_MODE_SWAP}
 _REASONS = {RejectionReason.OVER_CONTEXT_LIMIT: common_pb2.REJECTION_REASON_OVER_CONTEXT_LIMIT,
-            RejectionReason.OVER_POOL: common_pb2.REJECTION_REASON_OVER_POOL}
+            RejectionReason.OVER_POOL: common_pb2.REJECTION_REASON_OVER_POOL,
+            RejectionReason.OVER_QUOTA: common_pb2.REJECTION_REASON_OVER_QUOTA}
+
+
+MAX_TENANT_CHARS = 256
 
 
 def spec_from_proto(info: memory_pb2.ExecutorPoolInfo) -> ExecutorSpec:
@@ -35,8 +41,21 @@ def spec_from_proto(info: memory_pb2.ExecutorPoolInfo) -> ExecutorSpec:
         max_model_len=info.max_model_len, vocab_size=info.vocab_size, adapter=info.adapter)
 
 
-def spec_to_proto(spec: ExecutorSpec) -> memory_pb2.ExecutorPoolInfo:
+def costs_from_proto(msg: memory_pb2.ExecutorCosts) -> ExecutorCosts:
+    """InvalidArgument for a malformed report (lengths, order, negative or non-finite figures)."""
+    return ExecutorCosts(tuple(msg.prefill_batch_tokens), tuple(msg.prefill_tokens_per_s), msg.swap_bytes_per_s,
+                         msg.block_bytes)
+
+
+def costs_to_proto(c: ExecutorCosts) -> memory_pb2.ExecutorCosts:
+    return memory_pb2.ExecutorCosts(prefill_batch_tokens=c.prefill_batch_tokens,
+                                    prefill_tokens_per_s=c.prefill_tokens_per_s,
+                                    swap_bytes_per_s=c.swap_bytes_per_s, block_bytes=c.block_bytes)
+
+
+def spec_to_proto(spec: ExecutorSpec, costs: ExecutorCosts | None = None) -> memory_pb2.ExecutorPoolInfo:
     return memory_pb2.ExecutorPoolInfo(
+        costs=costs_to_proto(costs) if costs is not None else None,
         executor_id=spec.executor_id, address=spec.address, num_blocks=spec.num_blocks,
         block_size=spec.block_size, num_swap_blocks=spec.num_swap_blocks, model_id=spec.model_id,
         dtype=spec.dtype, incarnation=spec.incarnation, pool_generation=spec.pool_generation,
@@ -57,10 +76,15 @@ def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
     app_tokens = unpack_i32(app.token_ids, "appended.token_ids")
     if not app_ids and (app_tokens or len(app_offsets) > 1):
         raise InvalidArgument("appended: tokens without seq_ids")
+    for n in req.new_sequences:
+        if len(n.tenant) > MAX_TENANT_CHARS:
+            raise InvalidArgument(f"new_sequences.tenant must be at most {MAX_TENANT_CHARS} characters")
+        if not 0.0 <= n.retention_s <= MAX_RETENTION_S:  # NaN fails too
+            raise InvalidArgument(f"new_sequences.retention_s must be in [0, {MAX_RETENTION_S:g}] seconds")
     new = [NewSeq(n.seq_id, n.executor_id, unpack_i32(n.prompt_token_ids, "new_sequences.prompt_token_ids"),
                   n.priority, n.cache_salt, n.max_total_tokens,
                   _hashes(n.prompt_block_hashes, "new_sequences.prompt_block_hashes") if n.prompt_block_hashes
-                  else None, n.request_id[:256])
+                  else None, n.request_id[:256], n.tenant, n.retention_s)
            for n in req.new_sequences]
     return StepInput(
         step_id=req.step_id,
@@ -112,8 +136,11 @@ def plan_to_proto(out: StepOutput) -> memory_pb2.StepPlan:
                 ep.started_cached_tokens = array_bytes(p.tables.started_cached_tokens)
         if p.ops:
             ep.cache_ops.CopyFrom(_ops_to_proto(p.ops))
-    for seq_id, mode in out.preempted:
-        plan.preempted.add(seq_id=seq_id, mode=_MODES[mode])
+    for (seq_id, mode), d in zip(out.preempted, out.decisions):
+        e = d.estimate
+        plan.preempted.add(seq_id=seq_id, mode=_MODES[mode], reason=d.reason, recompute_tokens=e.recompute_tokens,
+                           recompute_cost_s=-1.0 if e.recompute_s is None else e.recompute_s,
+                           swap_bytes=e.swap_bytes, swap_cost_s=-1.0 if e.swap_s is None else e.swap_s)
     if out.unscheduled:
         plan.unscheduled_seq_ids = array_bytes(array("q", out.unscheduled))
     for r in out.rejected:
@@ -143,7 +170,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         info = request.info
         if info.block_size > MAX_BLOCK_SIZE:
             raise InvalidArgument(f"block_size must be <= {MAX_BLOCK_SIZE}")
-        replaced = self.state.register_executor(spec_from_proto(info))
+        costs = costs_from_proto(info.costs) if info.HasField("costs") else None
+        replaced = self.state.register_executor(spec_from_proto(info), costs)
         return memory_pb2.RegisterExecutorResponse(replaced_previous=replaced, lease_s=self.state.lease_s)
 
     async def DeregisterExecutor(self, request, context):
@@ -151,12 +179,14 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         return memory_pb2.DeregisterExecutorResponse(sequences_dropped=dropped)
 
     async def Heartbeat(self, request, context):
-        self.state.heartbeat(request.executor_id, request.incarnation)
+        costs = costs_from_proto(request.costs) if request.HasField("costs") else None
+        self.state.heartbeat(request.executor_id, request.incarnation, costs)
         return memory_pb2.HeartbeatResponse(lease_s=self.state.lease_s)
 
     async def ListExecutors(self, request, context):
+        m = self.state.manager
         return memory_pb2.ListExecutorsResponse(
-            executors=[spec_to_proto(kv.spec) for kv in self.state.manager.executors.values()])
+            executors=[spec_to_proto(kv.spec, m.costs.get(eid)) for eid, kv in m.executors.items()])
 
     async def Step(self, request, context):
         return plan_to_proto(self.state.step(step_from_proto(request)))

@@ -177,10 +177,11 @@ def make_app(ctx: HttpContext) -> FastAPI:
         return release
 
     async def generate(common: protocol.Common, prompt_ids: list[list[int]], renderer: Renderer,
-                       prefixes: dict[int, str], request_id: str, owner: str) -> Response:
+                       prefixes: dict[int, str], request_id: str, owner: str, authorization: str = "") -> Response:
         # One prompt: the client's id itself (so Abort and the logs find it); several: id-0, id-1, ...
         ids_of = [request_id] if len(prompt_ids) == 1 else [f"{request_id}-{i}" for i in range(len(prompt_ids))]
-        subs = [Submission(ids, common.params, request_id=ids_of[i], owner=owner, priority=common.priority,
+        subs = [Submission(ids, common.params, request_id=ids_of[i], owner=owner, authorization=authorization,
+                           priority=common.priority, retention_s=common.retention_s,
                            cache_salt=common.cache_salt, skip_special_tokens=common.skip_special_tokens)
                 for i, ids in enumerate(prompt_ids)]
         reqs = await admit(subs)
@@ -227,7 +228,8 @@ def make_app(ctx: HttpContext) -> FastAPI:
                 for i, p in enumerate(req.prompts):
                     text = p if isinstance(p, str) else tokenizer.decode(p)
                     prefixes.update({i * n + j: text for j in range(n)})
-            return await generate(req.common, ids, renderer, prefixes, rid, owner_of(request, bool(keys)))
+            return await generate(req.common, ids, renderer, prefixes, rid, owner_of(request, bool(keys)),
+                                  request.headers.get("authorization", ""))
         except KvpagerError as exc:
             if exc.param in _COMPLETION_PARAMS:
                 exc.param = _COMPLETION_PARAMS[exc.param]
@@ -242,7 +244,8 @@ def make_app(ctx: HttpContext) -> FastAPI:
         rid = request_id_of(request, req.common, frontend.caps.max_request_id_chars)
         ids = await encode_chat(req.messages, req.add_generation_prompt, **req.template_kwargs)
         renderer = Renderer(True, ctx.served_model_name, token_text, req.common.params.n, rid)
-        return await generate(req.common, [ids], renderer, {}, rid, owner_of(request, bool(keys)))
+        return await generate(req.common, [ids], renderer, {}, rid, owner_of(request, bool(keys)),
+                              request.headers.get("authorization", ""))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

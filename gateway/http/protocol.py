@@ -162,6 +162,7 @@ class Common:
     cache_salt: str = ""
     skip_special_tokens: bool = True
     request_id: str = ""               # the client's (vLLM's extension field); wins over X-Request-Id
+    retention_s: float = 0.0           # keep the prompt's blocks cached this long after (extension)
 
 
 def _common(body: Body, max_tokens: int | None) -> Common:
@@ -179,7 +180,7 @@ def _common(body: Body, max_tokens: int | None) -> Common:
     return Common(model=body.str("model"), params=params, stream=stream, include_usage=include_usage,
                   priority=priority, cache_salt=body.str("cache_salt", ""),
                   skip_special_tokens=body.bool("skip_special_tokens", True),
-                  request_id=body.str("request_id", "") or "")
+                  request_id=body.str("request_id", "") or "", retention_s=body.float("retention_s", 0.0))
 
 
 # ---- /v1/completions ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECTION_REASON_UNSPECIFIED: _ClassVar[RejectionReason]
     REJECTION_REASON_OVER_CONTEXT_LIMIT: _ClassVar[RejectionReason]
     REJECTION_REASON_OVER_POOL: _ClassVar[RejectionReason]
+    REJECTION_REASON_OVER_QUOTA: _ClassVar[RejectionReason]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -43,6 +44,7 @@ PREEMPTION_MODE_SWAP: PreemptionMode
 REJECTION_REASON_UNSPECIFIED: RejectionReason
 REJECTION_REASON_OVER_CONTEXT_LIMIT: RejectionReason
 REJECTION_REASON_OVER_POOL: RejectionReason
+REJECTION_REASON_OVER_QUOTA: RejectionReason
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_CPU: Tier

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ExecutorPoolInfo(_message.Message):
-    __slots__ = ("executor_id", "address", "num_blocks", "block_size", "num_swap_blocks", "model_id", "dtype", "incarnation", "pool_generation", "max_model_len", "vocab_size", "adapter")
+    __slots__ = ("executor_id", "address", "num_blocks", "block_size", "num_swap_blocks", "model_id", "dtype", "incarnation", "pool_generation", "max_model_len", "vocab_size", "adapter", "costs")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class ExecutorPoolInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     address: str
     num_blocks: int
@@ -33,7 +34,20 @@ class ExecutorPoolInfo(_message.Message):
     max_model_len: int
     vocab_size: int
     adapter: str
-    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+    costs: ExecutorCosts
+    def __init__(self, executor_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_swap_blocks: _Optional[int] = ..., model_id: _Optional[str] = ..., dtype: _Optional[str] = ..., incarnation: _Optional[int] = ..., pool_generation: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., adapter: _Optional[str] = ..., costs: _Optional[_Union[ExecutorCosts, _Mapping]] = ...) -> None: ...
+
+class ExecutorCosts(_message.Message):
+    __slots__ = ("prefill_batch_tokens", "prefill_tokens_per_s", "swap_bytes_per_s", "block_bytes")
+    PREFILL_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    prefill_batch_tokens: _containers.RepeatedScalarFieldContainer[int]
+    prefill_tokens_per_s: _containers.RepeatedScalarFieldContainer[float]
+    swap_bytes_per_s: float
+    block_bytes: int
+    def __init__(self, prefill_batch_tokens: _Optional[_Iterable[int]] = ..., prefill_tokens_per_s: _Optional[_Iterable[float]] = ..., swap_bytes_per_s: _Optional[float] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterExecutorRequest(_message.Message):
     __slots__ = ("info",)
@@ -64,12 +78,14 @@ class DeregisterExecutorResponse(_message.Message):
     def __init__(self, sequences_dropped: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("executor_id", "incarnation")
+    __slots__ = ("executor_id", "incarnation", "costs")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     incarnation: int
-    def __init__(self, executor_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    costs: ExecutorCosts
+    def __init__(self, executor_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., costs: _Optional[_Union[ExecutorCosts, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_s",)
@@ -88,7 +104,7 @@ class ListExecutorsResponse(_message.Message):
     def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorPoolInfo, _Mapping]]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens", "prompt_block_hashes", "request_id")
+    __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens", "prompt_block_hashes", "request_id", "tenant", "retention_s")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +113,8 @@ class NewSequence(_message.Message):
     MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_S_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     executor_id: str
     prompt_token_ids: bytes
@@ -105,7 +123,9 @@ class NewSequence(_message.Message):
     max_total_tokens: int
     prompt_block_hashes: bytes
     request_id: str
-    def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tenant: str
+    retention_s: float
+    def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., retention_s: _Optional[float] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "appended", "forks", "free_seq_ids", "abort_seq_ids", "new_sequences", "schedule_seq_ids", "schedule_num_tokens", "pending_seq_ids")
@@ -130,12 +150,22 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., appended: _Optional[_Union[_common_pb2.TokenBatch, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[_common_pb2.ForkOp, _Mapping]]] = ..., free_seq_ids: _Optional[bytes] = ..., abort_seq_ids: _Optional[bytes] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., schedule_seq_ids: _Optional[bytes] = ..., schedule_num_tokens: _Optional[bytes] = ..., pending_seq_ids: _Optional[bytes] = ...) -> None: ...
 
 class Preemption(_message.Message):
-    __slots__ = ("seq_id", "mode")
+    __slots__ = ("seq_id", "mode", "reason", "recompute_tokens", "recompute_cost_s", "swap_bytes", "swap_cost_s")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_COST_S_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWAP_COST_S_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     mode: _common_pb2.PreemptionMode
-    def __init__(self, seq_id: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.PreemptionMode, str]] = ...) -> None: ...
+    reason: str
+    recompute_tokens: int
+    recompute_cost_s: float
+    swap_bytes: int
+    swap_cost_s: float
+    def __init__(self, seq_id: _Optional[int] = ..., mode: _Optional[_Union[_common_pb2.PreemptionMode, str]] = ..., reason: _Optional[str] = ..., recompute_tokens: _Optional[int] = ..., recompute_cost_s: _Optional[float] = ..., swap_bytes: _Optional[int] = ..., swap_cost_s: _Optional[float] = ...) -> None: ...
 
 class Rejection(_message.Message):
     __slots__ = ("seq_id", "reason", "message")
@@ -188,7 +218,7 @@ class FreeResponse(_message.Message):
     def __init__(self, blocks_released: _Optional[int] = ...) -> None: ...
 
 class PoolAccounting(_message.Message):
-    __slots__ = ("executor_id", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots", "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks", "copy_on_write_copies", "evictions", "block_size", "swapped_out_blocks", "swapped_in_blocks")
+    __slots__ = ("executor_id", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "live_tokens", "allocated_slots", "kv_utilization", "logical_blocks", "physical_blocks", "sharing_saved_blocks", "prefix_hit_rate", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "preemptions_recompute", "preemptions_swap", "contiguous_equivalent_blocks", "num_sequences", "num_swapped_sequences", "swap_total_blocks", "swap_free_blocks", "copy_on_write_copies", "evictions", "block_size", "swapped_out_blocks", "swapped_in_blocks", "block_usage", "token_occupancy", "recompute_query_tokens", "recompute_hit_tokens", "recompute_hit_rate", "contiguous_declared_blocks", "preempt_recompute_tokens", "preempt_swap_bytes", "preempt_cost_s", "preempt_saved_s", "prefill_tokens_per_s", "swap_bytes_per_s", "pinned_blocks")
     EXECUTOR_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +246,19 @@ class PoolAccounting(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OCCUPANCY_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    CONTIGUOUS_DECLARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_RECOMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_SWAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_COST_S_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_SAVED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     executor_id: str
     total_blocks: int
     free_blocks: int
@@ -243,7 +286,20 @@ class PoolAccounting(_message.Message):
     block_size: int
     swapped_out_blocks: int
     swapped_in_blocks: int
-    def __init__(self, executor_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., live_tokens: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., logical_blocks: _Optional[int] = ..., physical_blocks: _Optional[int] = ..., sharing_saved_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., contiguous_equivalent_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., copy_on_write_copies: _Optional[int] = ..., evictions: _Optional[int] = ..., block_size: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ...) -> None: ...
+    block_usage: float
+    token_occupancy: float
+    recompute_query_tokens: int
+    recompute_hit_tokens: int
+    recompute_hit_rate: float
+    contiguous_declared_blocks: int
+    preempt_recompute_tokens: int
+    preempt_swap_bytes: int
+    preempt_cost_s: float
+    preempt_saved_s: float
+    prefill_tokens_per_s: float
+    swap_bytes_per_s: float
+    pinned_blocks: int
+    def __init__(self, executor_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., live_tokens: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., logical_blocks: _Optional[int] = ..., physical_blocks: _Optional[int] = ..., sharing_saved_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., preemptions_swap: _Optional[int] = ..., contiguous_equivalent_blocks: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_swapped_sequences: _Optional[int] = ..., swap_total_blocks: _Optional[int] = ..., swap_free_blocks: _Optional[int] = ..., copy_on_write_copies: _Optional[int] = ..., evictions: _Optional[int] = ..., block_size: _Optional[int] = ..., swapped_out_blocks: _Optional[int] = ..., swapped_in_blocks: _Optional[int] = ..., block_usage: _Optional[float] = ..., token_occupancy: _Optional[float] = ..., recompute_query_tokens: _Optional[int] = ..., recompute_hit_tokens: _Optional[int] = ..., recompute_hit_rate: _Optional[float] = ..., contiguous_declared_blocks: _Optional[int] = ..., preempt_recompute_tokens: _Optional[int] = ..., preempt_swap_bytes: _Optional[int] = ..., preempt_cost_s: _Optional[float] = ..., preempt_saved_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., swap_bytes_per_s: _Optional[float] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
 
 class AccountingRequest(_message.Message):
     __slots__ = ("executor_id",)

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "routing": "kvpager_tools.bench.routing",
     "penalties": "kvpager_tools.bench.penalties",
     "blockmap": "kvpager_tools.bench.blockmap",
+    "preemption": "kvpager_tools.bench.preemption",
 }
 
 

@@ -5,7 +5,9 @@ manager (and the real gRPC service for the RPC figures).
   vs a contiguous max-length (2,048) reservation.
 * traces: ShareGPT-like and Alpaca-like length distributions replayed under
   continuous batching; time-averaged KV utilization vs the last-block
-  analytic bound and vs contiguous reservations.
+  analytic bound and vs both contiguous reservations (max context, the
+  seeds'; prompt + max_tokens as each request declares it, Orca's "max"),
+  with block-level usage beside token-level occupancy of the pool.
 * sharing: parallel sampling (n = 2, 4, 6) and beam search (k = 2, 4, 6):
   blocks saved by sharing vs the analytic maximum.
 * speed: one decode Step for 256 sequences in-process, on a realistic
@@ -101,14 +103,16 @@ def replay_trace(name: str, num_requests=600, num_blocks=4000, block_size=16, ma
     generated = [0] * num_requests
     pending: dict[int, int] = {}          # token sampled last step, appended this step
     finished: list[int] = []              # freed in the next step
-    util, bound, contig = [], [], []
+    util, bound, contig, declared = [], [], [], []
+    usage, occupancy, used_blocks, max_blocks, declared_blocks = [], [], [], [], []
     step_no = 0
     while waiting or running or finished:
         step_no += 1
         new, sched, nums = [], list(running), [1] * len(running)
         for seq_id in waiting[: max(0, max_running - len(running))]:
             if seq_id not in created:
-                new.append(NewSeq(seq_id, "e0", [rng.randrange(VOCAB) for _ in range(ins[seq_id])]))
+                new.append(NewSeq(seq_id, "e0", [rng.randrange(VOCAB) for _ in range(ins[seq_id])],
+                                  max_total_tokens=ins[seq_id] + outs[seq_id]))  # what the request declares
                 created.add(seq_id)
             sched.append(seq_id)
             nums.append(1 << 30)  # "as much as fits": the whole prompt (or recompute)
@@ -142,10 +146,23 @@ def replay_trace(name: str, num_requests=600, num_blocks=4000, block_size=16, ma
                 util.append(total.kv_utilization)
                 bound.append(sum(live) / sum(_cdiv(n, block_size) * block_size for n in live))
                 contig.append(sum(live) / (len(live) * max_len))
+                # The accounting's own figures: both counterfactuals beside the pool's block and token usage.
+                declared.append(total.live_tokens / (total.contiguous_declared_blocks * block_size))
+                usage.append(total.block_usage)
+                occupancy.append(total.token_occupancy)
+                used_blocks.append(total.used_blocks)
+                max_blocks.append(total.contiguous_equivalent_blocks)
+                declared_blocks.append(total.contiguous_declared_blocks)
     bad = m.check_invariants()
     return {"kv_utilization": round(statistics.fmean(util), 5),
             "analytic_bound": round(statistics.fmean(bound), 5),
             "contiguous_utilization": round(statistics.fmean(contig), 5),
+            "contiguous_declared_utilization": round(statistics.fmean(declared), 5),
+            "block_usage": round(statistics.fmean(usage), 5),
+            "token_occupancy": round(statistics.fmean(occupancy), 5),
+            "used_blocks": round(statistics.fmean(used_blocks), 1),
+            "contiguous_equivalent_blocks": round(statistics.fmean(max_blocks), 1),
+            "contiguous_declared_blocks": round(statistics.fmean(declared_blocks), 1),
             "mean_input": round(statistics.fmean(ins), 1), "mean_output": round(statistics.fmean(outs), 1),
             "requests": num_requests, "steps": step_no, "invariant_violations": len(bad)}
 

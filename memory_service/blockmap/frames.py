@@ -99,8 +99,8 @@ def sequence_rows(kv: ExecutorKV, seqs: dict[int, Sequence]) -> dict[str, list]:
     return rows
 
 
-def pool_frame(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolFrame:
-    acct = executor_accounting(kv, seqs).as_dict()
+def pool_frame(kv: ExecutorKV, seqs: dict[int, Sequence], pinned_blocks: int = 0) -> PoolFrame:
+    acct = executor_accounting(kv, seqs, pinned_blocks=pinned_blocks).as_dict()
     acct["internal_waste_slots"] = acct["allocated_slots"] - acct["live_tokens"]
     return PoolFrame(kv.spec.executor_id, kv.table_epoch, kv.block_size, pool_cells(kv), swap_cells(kv),
                      sequence_rows(kv, seqs), len(kv.seq_ids), acct, kv.pool.num_evictions,
@@ -108,7 +108,7 @@ def pool_frame(kv: ExecutorKV, seqs: dict[int, Sequence]) -> PoolFrame:
 
 
 def pool_frames(manager) -> list[PoolFrame]:
-    return [pool_frame(kv, manager.seqs) for kv in manager.executors.values()]
+    return [pool_frame(kv, manager.seqs, manager.retention.count(eid)) for eid, kv in manager.executors.items()]
 
 
 class FrameCache:

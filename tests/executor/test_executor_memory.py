@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from executor_harness import prompts
@@ -63,6 +65,12 @@ async def test_registers_when_memory_comes_up_and_after_it_restarts(checkpoints)
         # the model allows 256 positions; the 32-block pool holds 128 tokens: the limit is what fits
         assert (info.max_model_len, info.vocab_size, info.dtype) == (32 * BS, 320, "float32")
         assert info.model_id == CKPT
+        # it registered with its start-up probe's copy bandwidth; what it measures later comes with heartbeats
+        costs = memory.state.manager.costs["reg-test"]
+        assert costs.swap_bytes_per_s > 0 and costs.block_bytes == ex.pool.block_bytes
+        ex.costs.record_forward(64, 0.5)
+        await _until(lambda: _has_point(memory, "reg-test", 64))
+        assert memory.state.manager.costs["reg-test"].prefill_s(64) == pytest.approx(0.5)
 
         # Memory restarts empty: the next heartbeat gets NOT_FOUND -> re-register.
         registrations = server.registration.num_registrations
@@ -79,6 +87,10 @@ async def test_registers_when_memory_comes_up_and_after_it_restarts(checkpoints)
         if memory is not None:
             assert await _executors(memory_address) == []  # deregistered on stop
             await memory.stop(0)
+
+
+async def _has_point(memory, executor_id: str, batch_tokens: int) -> bool:
+    return batch_tokens in memory.state.manager.costs[executor_id].prefill_batch_tokens
 
 
 async def _is_serving(address: str) -> bool:
@@ -138,6 +150,8 @@ async def test_memory_planned_greedy_run_matches_generate(checkpoints, oracle):
             for _ in range(4):
                 _, out = await step(schedule=[(1, 1), (2, 1)], appended=out)
             assert tokens[1][plen[1]:] == oracle(CKPT).greedy(tokens[1][:plen[1]], 6)
+            # every forward was timed: the decode steps (2 tokens) and the prefills have their buckets
+            assert {2, 8} <= set(server.executor.costs.snapshot().prefill_batch_tokens)
             assert tokens[2][plen[2]:] == oracle(CKPT).greedy(tokens[2][:plen[2]], 5)
     finally:
         await server.stop(0)

@@ -34,6 +34,7 @@ HIGHLIGHT = [18, 184, 134]
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stack(model):
     s = await start_stack(model, num_blocks=48, block_size=4, swap_blocks=16, swap_min_tokens=8,
+                          preemption_mode="threshold",
                           memory_kw={"http_port": 0})
     yield s
     await s.stop()

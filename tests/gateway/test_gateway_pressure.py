@@ -26,10 +26,10 @@ def oracle(model):
     return Oracle(model)
 
 
-@pytest.mark.parametrize("mode,swap_min_tokens", [("recompute", 10**6), ("swap", 1)])
-async def test_preemption_keeps_outputs_exact(model, oracle, mode, swap_min_tokens):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+async def test_preemption_keeps_outputs_exact(model, oracle, mode):
     # 24 blocks of 4 = 96 slots for 6 requests that each grow to ~40 tokens
-    stack = await start_stack(model, num_blocks=24, block_size=4, swap_blocks=64, swap_min_tokens=swap_min_tokens,
+    stack = await start_stack(model, num_blocks=24, block_size=4, swap_blocks=64, preemption_mode=mode,
                               max_batch_tokens=64)
     try:
         rng = random.Random(7)
@@ -46,7 +46,7 @@ async def test_preemption_keeps_outputs_exact(model, oracle, mode, swap_min_toke
 
 
 async def test_priority_request_preempts_lower_priority(model):
-    stack = await start_stack(model, num_blocks=16, block_size=4, swap_min_tokens=10**6, policy="priority",
+    stack = await start_stack(model, num_blocks=16, block_size=4, preemption_mode="recompute", policy="priority",
                               max_batch_tokens=64)
     try:
         low = [asyncio.ensure_future(generate(stack.gw, [5 + i] * 10, max_tokens=40, ignore_eos=True, priority=10))

@@ -44,7 +44,10 @@ MEMORY = {
     "kvpager_kv_cache_usage_perc": "gauge", "kvpager_kv_total_blocks": "gauge", "kvpager_kv_free_blocks": "gauge",
     "kvpager_kv_used_blocks": "gauge", "kvpager_kv_cached_evictable_blocks": "gauge",
     "kvpager_kv_live_tokens": "gauge", "kvpager_kv_allocated_slots": "gauge",
-    "kvpager_kv_token_occupancy_ratio": "gauge", "kvpager_kv_internal_waste_slots": "gauge",
+    "kvpager_kv_token_occupancy_ratio": "gauge", "kvpager_kv_block_fill_ratio": "gauge",
+    "kvpager_kv_pinned_blocks": "gauge",
+    "kvpager_kv_contiguous_declared_blocks": "gauge", "kvpager_prefix_cache_recompute_queries": "counter",
+    "kvpager_prefix_cache_recompute_hits": "counter", "kvpager_kv_internal_waste_slots": "gauge",
     "kvpager_kv_logical_blocks": "gauge", "kvpager_kv_physical_blocks": "gauge",
     "kvpager_kv_sharing_saved_blocks": "gauge", "kvpager_kv_contiguous_equivalent_blocks": "gauge",
     "kvpager_kv_running_sequences": "gauge", "kvpager_kv_swapped_sequences": "gauge",
@@ -68,7 +71,8 @@ PROMPT_TEXT = "Observability secret prompt text"
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def stack(model):
     configure_logging("test", "INFO")
-    s = await start_stack(model, num_blocks=48, block_size=4, swap_blocks=64, swap_min_tokens=8, http={},
+    s = await start_stack(model, num_blocks=48, block_size=4, swap_blocks=64, swap_min_tokens=8,
+                          preemption_mode="threshold", http={},
                           metrics=True, gateway_kw={"stats_interval_s": 0.2})
     yield s
     await s.stop()

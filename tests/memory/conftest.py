@@ -10,7 +10,7 @@ from plan_mirror import Row, TableMirror, check_rows, domain_view  # noqa: F401 
 from memory_service.events import EventQueue
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
-from memory_service.policy import ModePolicy
+from memory_service.policy import ThresholdModePolicy
 from memory_service.records import NewSeq, StepInput, StepOutput
 
 EID = "e0"
@@ -23,7 +23,7 @@ class Harness:
                  max_model_len: int = 0, vocab_size: int = 0, events: bool = False,
                  swap_min_tokens: int = 256, incarnation: int = 1) -> None:
         self.events = EventQueue(enabled=events)
-        self.m = MemoryManager(mode_policy=ModePolicy(swap_min_tokens=swap_min_tokens), events=self.events)
+        self.m = MemoryManager(mode_policy=ThresholdModePolicy(swap_min_tokens=swap_min_tokens), events=self.events)
         self.spec = ExecutorSpec(EID, num_blocks=num_blocks, block_size=block_size,
                                  num_swap_blocks=num_swap_blocks, model_id="m", dtype="float32",
                                  incarnation=incarnation, pool_generation=1, max_model_len=max_model_len,

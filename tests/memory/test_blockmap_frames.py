@@ -13,11 +13,14 @@ from memory_service.kv_manager import ExecutorKV, ExecutorSpec
 
 
 class Manager:
-    """What Subscriber reads: executors and seqs."""
+    """What Subscriber reads: executors, seqs and the retention pins."""
 
     def __init__(self, *kvs: ExecutorKV) -> None:
+        from memory_service.retention import PinBudget
+
         self.executors = {kv.spec.executor_id: kv for kv in kvs}
         self.seqs = {}
+        self.retention = PinBudget(None)
 
 
 def kv8() -> ExecutorKV:

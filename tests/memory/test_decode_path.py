@@ -17,7 +17,7 @@ from kvpager.errors import KvpagerError
 from kvpager.seq_status import SeqStatus
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
-from memory_service.policy import ModePolicy
+from memory_service.policy import ThresholdModePolicy
 from memory_service.records import NewSeq, StepInput
 
 VOCAB = 50
@@ -25,7 +25,7 @@ SPECS = (("e0", 24, 4, 8), ("e1", 16, 2, 0))  # executor, blocks, block size, sw
 
 
 def _manager() -> MemoryManager:
-    m = MemoryManager(mode_policy=ModePolicy(swap_min_tokens=6))
+    m = MemoryManager(mode_policy=ThresholdModePolicy(swap_min_tokens=6))
     for eid, blocks, bs, swap in SPECS:
         m.register_executor(ExecutorSpec(eid, blocks, bs, num_swap_blocks=swap, model_id="m", dtype="f32",
                                          max_model_len=40, vocab_size=VOCAB))

@@ -245,3 +245,35 @@ def test_steps_are_refused_while_the_mirror_is_restored():
         state.step(StepInput(step_id=1))
     state.recovering = False
     assert state.step(StepInput(step_id=1)).step_id == 1
+
+
+async def test_measured_costs_arrive_with_heartbeats_and_explain_the_preemption(memory):
+    stub = memory
+    costs = memory_pb2.ExecutorCosts(prefill_batch_tokens=[8], prefill_tokens_per_s=[1000.0],
+                                     swap_bytes_per_s=1e9, block_bytes=4096)
+    await stub.Heartbeat(memory_pb2.HeartbeatRequest(executor_id="e0", incarnation=1, costs=costs))
+    t = (await stub.GetAccounting(memory_pb2.AccountingRequest())).executors[0]  # per executor (total: 0)
+    assert (t.prefill_tokens_per_s, t.swap_bytes_per_s) == (1000.0, 1e9)
+    await stub.Step(memory_pb2.StepRequest(step_id=1, new_sequences=[new_seq(1, [1] * 28), new_seq(2, [2] * 28)],
+                                           **schedule([1, 2], [28, 28])))
+    await stub.Step(memory_pb2.StepRequest(step_id=2, new_sequences=[new_seq(3, [3] * 8)], **schedule([3], [8])))
+    plan = await stub.Step(memory_pb2.StepRequest(step_id=3, appended=appended([1, 2, 3], [4, 4, 4]),
+                                                  **schedule([1, 2, 3], [1, 1, 1])))
+    (p,) = plan.preempted
+    # 3's 8 computed tokens fill 2 cached blocks; the grower takes its tail block -> 4 to recompute
+    assert (p.seq_id, p.mode, p.swap_bytes) == (3, common_pb2.PREEMPTION_MODE_SWAP, 2 * 4096)
+    assert p.recompute_cost_s == pytest.approx(4 / 1000.0) and p.swap_cost_s == pytest.approx(2 * 2 * 4096 / 1e9)
+    assert p.reason.startswith("swap ") and p.recompute_tokens == 4
+    t = await accounting(stub)
+    assert t.preempt_swap_bytes == 2 * 2 * 4096 and t.preempt_saved_s > 0
+    # a malformed report is refused, and the last good one stays
+    bad = memory_pb2.ExecutorCosts(prefill_batch_tokens=[8, 4], prefill_tokens_per_s=[1.0, 2.0])
+    await expect(grpc.StatusCode.INVALID_ARGUMENT,
+                 stub.Heartbeat(memory_pb2.HeartbeatRequest(executor_id="e0", incarnation=1, costs=bad)))
+    info = memory_pb2.ExecutorPoolInfo(executor_id="e9", num_blocks=4, block_size=BS, model_id="m", dtype="float32",
+                                       incarnation=1, costs=memory_pb2.ExecutorCosts(swap_bytes_per_s=-1))
+    await expect(grpc.StatusCode.INVALID_ARGUMENT, stub.RegisterExecutor(
+        memory_pb2.RegisterExecutorRequest(info=info)))
+    listed = await stub.ListExecutors(memory_pb2.ListExecutorsRequest())
+    assert [e.executor_id for e in listed.executors] == ["e0"]
+    assert (await stub.GetAccounting(memory_pb2.AccountingRequest())).executors[0].swap_bytes_per_s == 1e9

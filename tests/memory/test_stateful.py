@@ -6,7 +6,11 @@ alphabet so prefixes repeat, decode appends, chunked prefill, forks whose
 children diverge, frees and aborts, floods of distinct prompts (eviction),
 malformed steps (must change nothing), retried steps, executor
 re-registration. Pools are tiny and swap pools vary, so preemption by both
-modes happens all the time.
+modes happens all the time. Each example draws the mode policy (threshold,
+the measured-cost model with random rates, always recompute, always swap),
+the victim policy, an optional per-tenant quota and a pin budget; requests
+carry one of three tenants and sometimes a retention_s (a clock that ticks
+once a rule expires pins).
 
 The simulated executor applies each plan as the real one does — swap-outs,
 swap-ins, copies, then the forward writes every planned slot before any row
@@ -14,8 +18,11 @@ reads its context — and stores in each slot the (salt, token prefix) whose KV
 it would hold. So besides check_invariants() == [] after every rule, it
 checks that every row reads exactly its own tokens' KV, that every live
 sequence's computed KV (on device or in the swap pool) is intact, that plan
-tables equal the sequences' tables, FCFS admission, that the KV-event stream
-rebuilds the prefix index exactly, and the accounting identities.
+tables equal the sequences' tables, FCFS admission (per tenant with quotas),
+that the KV-event stream rebuilds the prefix index exactly, the accounting
+identities, that no tenant holds more than its quota and none is preempted
+for another's sake, that each preemption's decision carries its estimate,
+and that pins stay within their budgets and are evicted last.
 
 CI runs 100 examples of up to 140 rules: at least 10,000 rules (asserted),
 about 10 s on 2 cores. A longer run (about 120,000 rules, 2 minutes):
@@ -38,7 +45,10 @@ from kvpager.errors import KvpagerError
 from memory_service.events import AllCleared, BlockRemoved, BlockStored, EventQueue
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
-from memory_service.policy import ModePolicy, PreemptionMode
+from memory_service.costs import ExecutorCosts
+from memory_service.planner import tenant_blocks
+from memory_service.policy import VICTIM_POLICIES, PreemptionMode, TenantQuota, make_mode_policy
+from memory_service.retention import PinBudget
 from memory_service.records import NewSeq, StepInput
 from kvpager.seq_status import SeqStatus
 from plan_mirror import TableMirror, domain_view
@@ -53,7 +63,9 @@ EXECUTORS = ("e0", "e1")
 RULES_RUN = [0]  # rules executed by this process, over all examples
 # What the runs exercised (printed, and each must have happened at least once).
 STATS = dict.fromkeys(("preempt_recompute", "preempt_swap", "cow_copies", "swap_ins", "prefix_hits", "evictions",
-                       "rejected", "unscheduled", "bad_steps", "retries", "reregistrations", "fast_decodes"), 0)
+                       "rejected", "unscheduled", "bad_steps", "retries", "reregistrations", "fast_decodes",
+                       "cost_decisions", "over_quota", "pins"), 0)
+TENANTS = ("", "a", "b")
 
 
 class Slots:
@@ -98,10 +110,22 @@ class MemoryMachine(RuleBasedStateMachine):
                 num_blocks=st.tuples(st.integers(3, 10), st.integers(8, 16)),
                 num_swap=st.tuples(st.integers(0, 8), st.integers(0, 3)),
                 max_model_len=st.tuples(st.sampled_from([0, 12, 24]), st.sampled_from([0, 40])),
-                swap_min_tokens=st.sampled_from([1, 3, 8, 10**6]))
-    def setup(self, block_sizes, num_blocks, num_swap, max_model_len, swap_min_tokens):
+                swap_min_tokens=st.sampled_from([1, 3, 8, 10**6]),
+                mode=st.sampled_from(["threshold", "threshold", "cost", "cost", "recompute", "swap"]),
+                victim=st.sampled_from(sorted(VICTIM_POLICIES)),
+                quota=st.sampled_from([None, None, 0.5, 4]), pin_budget=st.sampled_from([None, 0.3, 2]),
+                rates=st.tuples(st.floats(1.0, 1e4), st.floats(1e2, 1e7)))
+    def setup(self, block_sizes, num_blocks, num_swap, max_model_len, swap_min_tokens, mode, victim, quota,
+              pin_budget, rates):
         self.events = EventQueue(enabled=True)
-        self.m = MemoryManager(mode_policy=ModePolicy(swap_min_tokens=swap_min_tokens), events=self.events)
+        self.now = [0.0]
+        self.quota = TenantQuota(quota) if quota else None
+        self.m = MemoryManager(mode_policy=make_mode_policy(mode, swap_min_tokens),
+                               victim_policy=VICTIM_POLICIES[victim](), events=self.events, quota=self.quota,
+                               retention=PinBudget(TenantQuota(pin_budget) if pin_budget else None,
+                                                   clock=lambda: self.now[0]))
+        self.mode = mode
+        self.rates = rates
         self.specs: dict[str, ExecutorSpec] = {}
         self.slots: dict[str, Slots] = {}
         self.mirrors: dict[str, TableMirror] = {}      # the executors' tables, replayed from the plans
@@ -120,7 +144,9 @@ class MemoryMachine(RuleBasedStateMachine):
         self.last: tuple[StepInput, object] | None = None
 
     def _register(self, spec: ExecutorSpec) -> None:
-        self.m.register_executor(spec)
+        # the cost model's inputs: random measured rates (a slow or fast host link against the prefill)
+        tps, bw = self.rates
+        self.m.register_executor(spec, ExecutorCosts((1, 8), (tps, 4 * tps), bw, 64 * spec.block_size))
         self.specs[spec.executor_id] = spec
         self.slots[spec.executor_id] = Slots(spec.block_size)
         # a restarted executor keeps nothing; the new registration's epoch tells it so anyway
@@ -147,7 +173,8 @@ class MemoryMachine(RuleBasedStateMachine):
         prompt = self._prompt(rnd, distinct)
         max_total = rnd.choice([0, 0, 0, rnd.randint(len(prompt), 24 + len(prompt))])
         step.new_seqs.append(NewSeq(seq_id, eid, prompt, priority=rnd.randint(0, 3),
-                                    cache_salt=rnd.choice(["", "", "", "t1"]), max_total_tokens=max_total))
+                                    cache_salt=rnd.choice(["", "", "", "t1"]), max_total_tokens=max_total,
+                                    tenant=rnd.choice(TENANTS), retention_s=rnd.choice([0.0, 0.0, 3.0, 50.0])))
         return seq_id
 
     def _trim(self, rnd: random.Random, step: StepInput, keep: int = 8) -> list[int]:
@@ -203,6 +230,7 @@ class MemoryMachine(RuleBasedStateMachine):
 
     def _run(self, step: StepInput):
         RULES_RUN[0] += 1
+        self.now[0] += 1.0  # pins expire as rules go by
         self.step_id += 1
         step.step_id = self.step_id
         before = {sid: (seq.status, seq.num_computed) for sid, seq in self.m.seqs.items()}
@@ -228,9 +256,13 @@ class MemoryMachine(RuleBasedStateMachine):
             spec = self.specs[new.executor_id]
             limit = spec.max_model_len or spec.num_blocks * spec.block_size
             fits = len(new.prompt_token_ids) <= limit and new.max_total_tokens <= limit
-            never = math.ceil(max(len(new.prompt_token_ids), new.max_total_tokens) / spec.block_size) > spec.num_blocks
-            expect = None if fits and not never else (RejectionReason.OVER_CONTEXT_LIMIT if not fits
-                                                     else RejectionReason.OVER_POOL)
+            need = math.ceil(max(len(new.prompt_token_ids), new.max_total_tokens) / spec.block_size)
+            never = need > spec.num_blocks
+            over_quota = self.quota is not None and need > self.quota.cap(spec.num_blocks)
+            expect = None if fits and not never and not over_quota else (
+                RejectionReason.OVER_CONTEXT_LIMIT if not fits else RejectionReason.OVER_POOL if never
+                else RejectionReason.OVER_QUOTA)
+            STATS["over_quota"] += expect is RejectionReason.OVER_QUOTA
             assert rejected.get(new.seq_id) == expect, (new, rejected)
             if expect is None:
                 self.tokens[new.seq_id] = list(new.prompt_token_ids)
@@ -250,6 +282,22 @@ class MemoryMachine(RuleBasedStateMachine):
         assert len(set(unscheduled)) == len(unscheduled)
         accounted = set(planned) | set(unscheduled) | {s for s in rejected if s in asked}
         assert accounted == set(asked) and not set(planned) & set(unscheduled)
+        # every preemption comes with its decision: the mode, a reason, both estimates
+        assert [(d.seq_id, d.mode) for d in out.decisions] == list(out.preempted)
+        for d in out.decisions:
+            e = d.estimate
+            assert d.reason and 0 <= e.recompute_tokens and e.swap_blocks >= 0 and e.freed_blocks <= e.swap_blocks
+            if self.mode == "cost" and e.swap_fits and e.recompute_s is not None and e.swap_s is not None:
+                STATS["cost_decisions"] += 1
+                cheaper = PreemptionMode.SWAP if e.swap_s < e.recompute_s else PreemptionMode.RECOMPUTE
+                assert d.mode is cheaper, d
+            if not e.swap_fits:
+                assert d.mode is PreemptionMode.RECOMPUTE
+        if self.quota is not None:  # no tenant is preempted for another's sake
+            requesters = {self.m.seqs[s].tenant for s in asked if s in self.m.seqs}
+            for seq_id, _ in out.preempted:
+                if seq_id in self.m.seqs:
+                    assert self.m.seqs[seq_id].tenant in requesters
         for seq_id, mode in out.preempted:
             status, _ = before.get(seq_id, (SeqStatus.RUNNING, 0))
             assert status is SeqStatus.RUNNING or seq_id in {c for _, cs in step.forks for c in cs}
@@ -263,11 +311,12 @@ class MemoryMachine(RuleBasedStateMachine):
         waiting_at_start = {sid for sid, (status, _) in before.items() if status is SeqStatus.WAITING}
         waiting_at_start |= {n.seq_id for n in step.new_seqs if n.seq_id not in rejected}
         waiting_at_start |= {c for p, cs in step.forks for c in cs if p in waiting_at_start}
-        closed: set[str] = set()
+        closed: set = set()
         for seq_id in step.schedule_seq_ids:
             if seq_id not in waiting_at_start:
                 continue
-            eid = self.m.seqs[seq_id].executor_id
+            seq = self.m.seqs[seq_id]
+            eid = (seq.executor_id, seq.tenant) if self.quota is not None else seq.executor_id
             if eid in closed:
                 assert seq_id in unscheduled, f"waiting {seq_id} overtook an earlier one on {eid}"
             elif seq_id in unscheduled:
@@ -556,6 +605,7 @@ class MemoryMachine(RuleBasedStateMachine):
         self._check_kv_intact()
         self._check_index_mirror()
         self._check_accounting()
+        self._check_tenants_and_pins()
 
     def _check_kv_intact(self) -> None:
         """Every live sequence's computed KV is still where its table says."""
@@ -607,6 +657,34 @@ class MemoryMachine(RuleBasedStateMachine):
             assert part.swap_free_blocks + sum(len(self.m.seqs[s].swap_blocks) for s in kv.seq_ids) \
                 == part.swap_total_blocks
         assert total.used_blocks == sum(p.used_blocks for p in parts)
+        for part in parts:
+            kv = self.m.executors[part.executor_id]
+            assert part.block_usage == part.used_blocks / part.total_blocks
+            assert part.token_occupancy == part.live_tokens / (part.total_blocks * kv.block_size) <= 1
+            assert 0 <= part.recompute_hit_tokens <= part.recompute_query_tokens
+            assert part.contiguous_declared_blocks <= part.contiguous_equivalent_blocks
+            assert part.preempt_cost_s >= 0
+            if self.mode == "cost":
+                assert part.preempt_saved_s >= -1e-9  # the cheaper mode, every time both were priced
+
+    def _check_tenants_and_pins(self) -> None:
+        retention = self.m.retention
+        for eid, kv in self.m.executors.items():
+            tenants = {self.m.seqs[s].tenant for s in kv.seq_ids}
+            if self.quota is not None:
+                for t in tenants:
+                    assert len(tenant_blocks(kv, self.m.seqs, t)) <= self.quota.cap(kv.spec.num_blocks), t
+            queues = getattr(kv.pool.free_queue, "queues", None)
+            if queues is not None:  # retention on: tier 1 holds only blocks that were pinned when freed
+                assert all(b.retain_until > 0 and b.block_hash is not None for b in queues[1].iter_newest())
+            for t in TENANTS:
+                pins = retention.pinned(eid, t)
+                STATS["pins"] += len(pins)
+                if retention.quota is None:
+                    assert not pins
+                else:
+                    assert len(pins) <= retention.quota.cap(kv.spec.num_blocks)
+                assert all(b.block_hash is not None and b.retain_until > self.now[0] for b in pins)
 
 
 def test_memory_manager_state_machine():

@@ -246,3 +246,45 @@ async def test_recovery_waits_for_an_executor_still_running_the_published_step(r
     finally:
         await writer2.stop()
         state2.close()
+
+
+async def test_two_tenants_with_the_same_prompt_never_share_a_block_even_after_a_restart(redis_proc):
+    """The tenant namespaces the prefix hash, so it namespaces every tier: the
+    device cache, the mirror's keys, and what a restarted service rebuilds."""
+    from gateway.tenants import Tenants
+
+    tenants = Tenants({"token-of-a-1": "a", "token-of-b-1": "b"})
+    (_, salt_a), (_, salt_b) = (tenants.identify(f"Bearer token-of-{t}-1", "") for t in "ab")
+    # b names a's whole namespace as its cache_salt: it can only narrow its own
+    _, crossing = tenants.identify("Bearer token-of-b-1", salt_a)
+    state = make_state()
+    writer = await start_writer(state, redis_proc.url)
+    state.register_executor(spec("e0", address=ADDRESS, num_blocks=32))
+    steps = Stepper(state)
+    steps.free(steps.prefill("e0", PROMPT, cache_salt=salt_a))
+    kv = state.manager.executors["e0"]
+    assert kv.counters.prefix_hit_tokens == 0
+    for salt in (salt_b, crossing):
+        steps.free(steps.prefill("e0", PROMPT, cache_salt=salt))
+    assert kv.counters.prefix_hit_tokens == 0  # same prompt, other tenant: no hit
+    a_hashes = set(kv.pool.cached)
+    await writer.stop()
+    state.close()
+    keys = {k.decode() for k in sync_client(redis_proc.url).keys("*")}
+    # every tenant's blocks are their own records in the mirror: 3 chains of 3 blocks
+    assert sum(1 for k in keys if any(h.hex() in k for h in a_hashes)) == 9
+    state2, writer2, report = await _recover(redis_proc.url, answering(recorded_step(redis_proc.url)))
+    try:
+        assert report.restored == {"e0": 9}, report
+        again = Stepper(state2)
+        again.step_id, again.seq_id = steps.step_id, 100
+        kv2 = state2.manager.executors["e0"]
+        hits = []
+        for salt in (salt_b, salt_a, crossing, ""):
+            before = kv2.counters.prefix_hit_tokens
+            again.free(again.prefill("e0", PROMPT, cache_salt=salt))
+            hits.append(kv2.counters.prefix_hit_tokens - before)
+        assert hits == [12, 12, 12, 0]  # each tenant hits its own rebuilt blocks; the bare salt none
+    finally:
+        await writer2.stop()
+        state2.close()
