@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from executor_service.config import BACKENDS, DTYPES, KV_LAYOUTS, MODEL_IMPLS, ExecutorConfig
 
@@ -42,9 +41,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_security_arguments(p, server=True, client=True, admin_token=True)
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """What would fail later with a library traceback, checked now.
+
+    Raises:
+        UsageError: a model directory that cannot load, a port in use; the message names the flag.
+    """
+    from executor_service.model_runner import SUPPORTED_MODEL_TYPES
+    from kvpager.preflight import check_model_dir, check_port_free
+
+    check_model_dir(args.model, supported=SUPPORTED_MODEL_TYPES)
+    check_port_free(args.host, args.port, flag="--port")
+    check_port_free(args.metrics_host, args.metrics_port, flag="--metrics-port")
+
+
 def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
-    model = args.model
     from kvpager.security import security_from_args
+
+    model = args.model
 
     extra = {"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib is not None else {}
     security = security_from_args(args)
@@ -88,14 +102,15 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from kvpager.preflight import BindError, report
     from kvpager.telemetry import configure_logging
 
     configure_logging("executor", level=args.log_level, log_format=args.log_format)
     try:
+        preflight(args)
         config = config_from_args(args)
-    except ValueError as exc:  # inconsistent flags (e.g. a TLS cert without its key)
-        print(f"kvpager executor: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # a wrong model path, a port in use, a TLS cert without its key ...
+        return report("kvpager executor", exc)
 
     async def serve() -> int:
         from executor_service.service import start_executor_server
@@ -107,8 +122,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             await asyncio.wait([ready, serving], return_when=asyncio.FIRST_COMPLETED)
             if ready.done() and not ready.cancelled() and ready.exception() is not None:
-                # A model that cannot load must not leave a server NOT_SERVING forever.
-                get_logger(__name__).error("executor failed to start", exc_info=ready.exception())
+                # A model that cannot load must not leave a server NOT_SERVING forever. One line
+                # for the operator; the traceback only at DEBUG.
+                exc = ready.exception()
+                log = get_logger(__name__)
+                log.error("executor failed to start", error=f"{type(exc).__name__}: {exc}"[:500])
+                log.debug("executor start failure", exc_info=exc)
                 serving.cancel()
                 return 1
             await serving
@@ -116,4 +135,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             await server.stop()
 
-    return asyncio.run(serve())
+    try:
+        return asyncio.run(serve())
+    except BindError as exc:  # taken between the check and the bind
+        return report("kvpager executor", exc)

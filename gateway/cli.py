@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
-
 
 HELP = "run the gateway (client API + continuous batching)"
 API_KEY_ENV = "KVPAGER_API_KEY"
@@ -46,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout-s", type=float, default=120.0,
                    help="deadline of each internal Step and Execute call (a hung executor fails its requests "
                         "with UNAVAILABLE after this long)")
+    p.add_argument("--max-retries", type=int, default=3,
+                   help="times one sequence is admitted again (recompute) after a memory-service restart or the "
+                        "loss of its executor; once more ends it UNAVAILABLE (0: never)")
+    p.add_argument("--recovery-timeout-s", type=float, default=30.0,
+                   help="longest a stream waits for a restarted memory service or an executor of its model to "
+                        "take it back before it ends UNAVAILABLE")
     p.add_argument("--max-message-bytes", type=int, default=16 * 2**20,
                    help="largest request or response message (larger: RESOURCE_EXHAUSTED)")
     caps = p.add_argument_group("what one request may ask (docs/security.md, Limits)")
@@ -69,6 +73,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_observability_arguments(p)
 
     add_security_arguments(p, server=True, client=True, auth_token=True, admin_token=True)
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """A model directory that is not one, ports someone else holds: reported now, naming the flag.
+
+    Raises:
+        UsageError: the first check that fails.
+    """
+    from kvpager.preflight import check_model_dir, check_port_free
+
+    check_model_dir(args.model, tokenizer=True)  # the gateway reads its tokenizer and generation config
+    check_port_free(args.host, args.port, flag="--port")
+    check_port_free(args.metrics_host, args.metrics_port, flag="--metrics-port")
+    if not args.no_http:
+        check_port_free(args.http_host or args.host, args.http_port, flag="--http-port")
 
 
 # The scheduling flags' destinations: `kvpager up` offers the same group and passes each one on.
@@ -108,8 +127,8 @@ def config_from_args(args: argparse.Namespace):
     from gateway.engine import EngineConfig
     from gateway.http.server import HttpConfig
     from gateway.params import RequestCaps
+    from gateway.recovery import RecoveryConfig
     from gateway.service import GatewayConfig
-
     from kvpager.security import security_from_args
 
     security = security_from_args(args)
@@ -120,6 +139,10 @@ def config_from_args(args: argparse.Namespace):
         tenant_tokens = load_tenant_tokens(args.tenants)
     if args.stats_interval_s < 0:
         raise ValueError(f"--stats-interval-s must be >= 0, got {args.stats_interval_s:g}")
+    if args.max_retries < 0:
+        raise ValueError(f"--max-retries must be >= 0, got {args.max_retries}")
+    if args.recovery_timeout_s <= 0:
+        raise ValueError(f"--recovery-timeout-s must be > 0, got {args.recovery_timeout_s:g}")
     if args.chat_template is not None and not Path(args.chat_template).is_file():
         raise ValueError(f"--chat-template {args.chat_template}: no such file")
     caps = RequestCaps(max_prompt_bytes=args.max_prompt_bytes, max_stop_strings=args.max_stop_strings,
@@ -147,27 +170,32 @@ def config_from_args(args: argparse.Namespace):
                                              max_prompt_tokens=args.max_prompt_tokens,
                                              step_timeout_s=args.step_timeout_s, plan_ahead=args.plan_ahead,
                                              executor_info_timeout_s=args.executor_info_timeout_s,
-                                             caps=caps),
+                                             caps=caps, recovery=RecoveryConfig(args.max_retries,
+                                                                                args.recovery_timeout_s)),
                          http=http)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpager.telemetry import configure_logging
     from gateway.service import GatewayServer
+    from kvpager.preflight import BindError, report
+    from kvpager.telemetry import configure_logging
 
     configure_logging("gateway", args.log_level, log_format=args.log_format)
     try:
+        preflight(args)
         config = config_from_args(args)
-    except ValueError as exc:  # inconsistent flags (e.g. a TLS cert without its key)
-        print(f"kvpager gateway: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # a wrong model path, a port in use, a TLS cert without its key ...
+        return report("kvpager gateway", exc)
 
     async def main() -> None:
         server = GatewayServer(config)
         await server.start()
         await server.serve_until_signal()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except BindError as exc:  # taken between the check and the bind
+        return report("kvpager gateway", exc)
     return 0
 
 

@@ -4,6 +4,7 @@ them: awaitable calls that raise kvpager domain errors, never grpc ones."""
 from __future__ import annotations
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpager.channel import BoundedCalls, ClientTls, make_channel
 from kvpager.errors import KvpagerError, Unavailable, error_for_status
@@ -47,6 +48,9 @@ class MemoryClient:
                                 memory_pb2.ScorePrefixRequest(block_hashes=block_hashes, namespace=namespace), 5.0)
         return list(resp.scores)
 
+    async def register(self, info: memory_pb2.ExecutorPoolInfo) -> None:
+        await self._call(self.stub.RegisterExecutor, memory_pb2.RegisterExecutorRequest(info=info), 5.0)
+
     async def deregister(self, executor_id: str, incarnation: int) -> None:
         await self._call(self.stub.DeregisterExecutor,
                          memory_pb2.DeregisterExecutorRequest(executor_id=executor_id, incarnation=incarnation), 5.0)
@@ -86,6 +90,15 @@ class ExecutorClient:
         except grpc.aio.AioRpcError as exc:
             raise _domain(exc, f"executor {self.executor_id} at {self.address}") from None
         return self.info
+
+    async def serving(self, timeout_s: float = 2.0) -> bool:
+        """Its health says SERVING (a draining or stopping executor does not)."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                          timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def execute(self, request: executor_pb2.ExecuteRequest,
                       timeout_s: float | None = None) -> executor_pb2.ExecuteResponse:

@@ -14,7 +14,6 @@ coroutines post work (new requests, aborts, executor changes) and wake it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from gateway.failures import FailureLog, for_client
 from gateway.membership import Executors
 from gateway.outputs import Outbox
 from gateway.params import RequestCaps
+from gateway.recovery import Recovery, RecoveryConfig
 from gateway.rows import RowBuilder
 from gateway.request_stats import RequestStats
 from gateway.requests import RequestBook
@@ -59,6 +59,8 @@ class EngineConfig:
     # with the executor's own samples (hides the Step and Execute round trips).
     plan_ahead: bool = True
     caps: RequestCaps = field(default_factory=RequestCaps)  # what one request may ask (docs/security.md)
+    # Streams that outlive a lost memory service or executor (gateway/recovery.py).
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
 
 @dataclass(slots=True)
@@ -90,6 +92,7 @@ class Engine:
         self.requests = RequestBook(self.sequences, self.outbox, config.max_waiting, self.stats)
         self.completions = Completions(self.sequences, self.requests, self.outbox, self.executors)
         self.beams = BeamSearch(self.completions)
+        self.recovery = Recovery(config.recovery, self.sequences, self.requests, self.executors, memory)
         self._row_builder = RowBuilder(self.beams, plan_ahead=config.plan_ahead, stats=self.stats)
         self._step_id = int(time.time() * 1000) << 8  # increasing across gateway restarts
         self._refresh_now = asyncio.Event()
@@ -162,17 +165,16 @@ class Engine:
             self._lose_executor(ex, Unavailable("left or restarted"), deregister=False, left=True)
 
     def _lose_executor(self, ex: ExecutorClient, cause: KvpagerError, deregister: bool, left: bool = False) -> None:
-        """Every request on a lost executor ends (UNAVAILABLE, or INTERNAL when
-        it refused a step; ``cause`` goes to the log only); its sequences are
-        forgotten here (the memory service drops them on deregistration or
-        re-registration)."""
+        """A lost executor's requests move to another executor of its model
+        (recompute, gateway/recovery.py); those that cannot end (UNAVAILABLE,
+        or INTERNAL when it refused a step; ``cause`` goes to the log only).
+        The memory service drops its sequences on deregistration or
+        re-registration."""
         self.executors.remove(ex)
         error = for_client(cause, failures.EXECUTOR_LEFT if left else failures.EXECUTOR_FAILED)
-        ended = [r for r in self.requests.values() if r.executor_id == ex.executor_id]
-        for req in ended:
-            self.requests.fail(req, error, release=False)
-        for seq in self.sequences.of_executor(ex.executor_id):
-            self.sequences.forget(seq.seq_id)
+        ended = self.recovery.executor_lost(ex, cause, left)
+        for req, why in ended:
+            self.requests.fail(req, why or error, release=False)
         loop = asyncio.get_running_loop()
         loop.create_task(self.executors.deregister(ex) if deregister else ex.close())
         self._failures.ended("executor lost", cause, [r.request_id for r in ended], executor_id=clip(ex.executor_id),
@@ -252,6 +254,9 @@ class Engine:
         if self.executors.has_updates:
             self._apply_executor_list()
         self.requests.apply_aborts(asyncio.get_running_loop().time())
+        if self.recovery.pending:
+            for req, error in self.recovery.tick():
+                self.requests.fail(req, error, release=False)
         self._wake.clear()  # what arrives from here on wakes the next round (see _collect)
         t0 = time.perf_counter()
         running: dict[str, int] = {}
@@ -275,21 +280,15 @@ class Engine:
                                     [s.seq_id for s in pending])
         try:
             plan = await self.memory.step(request, self.config.step_timeout_s)
-        except Unavailable as exc:
-            await self._reset(exc, failures.MEMORY_UNAVAILABLE, "memory service unavailable")
-            self.outbox.flush()
-            return
-        except (NotFound, FailedPrecondition) as exc:
-            # The memory service no longer holds what we think it does: it restarted (and
+        except (Unavailable, NotFound, FailedPrecondition) as exc:
+            # Down, or it no longer holds what we think it does: it restarted (and
             # recovered, or not, from the mirror) or an executor was dropped and is
-            # re-registering. Retryable for clients; re-read the executors before routing again.
-            await self._reset(Unavailable(exc.message), failures.STATE_RESET,
-                              "memory service state diverged from the gateway's; resetting", release=True)
-            self._refresh_now.set()  # re-read the executors now (off the loop)
-            self.outbox.flush()
+            # re-registering. Every sequence is admitted again once it is back.
+            await self._memory_lost(exc, [*changes.free, *changes.abort], {s.seq_id for s in batch.new})
             return
         for seq in batch.new:
             seq.created = True
+        self.recovery.step_ok(batch.new)
         t_plan = time.perf_counter()
         self._apply_outcomes(plan)
         for ep in plan.executor_plans:
@@ -353,9 +352,9 @@ class Engine:
         ex, task = call.ex, call.task
         if task.cancelled():
             return
-        if self.executors.get(ex.executor_id) is not ex:
-            return  # lost (or replaced) while the call ran: its requests have ended already
         exc = task.exception()
+        if self.executors.get(ex.executor_id) is not ex:
+            return  # lost (or replaced) while the call ran: its requests have moved or ended already
         if exc is not None:
             self._lose_executor(ex, exc if isinstance(exc, KvpagerError) else Unavailable(repr(exc)),
                                 deregister=True)
@@ -392,23 +391,27 @@ class Engine:
     def fail_on_bug(self, req: Request, doing: str) -> None:
         self.completions.fail_on_bug(req, doing)
 
-    async def _reset(self, cause: Exception, unavailable: str, kind: str, release: bool | None = None) -> None:
-        """A step failed as a whole: end every request (UNAVAILABLE with
-        ``unavailable`` as the message when retrying helps, else INTERNAL;
-        ``cause`` goes to the log only) and release what we can, off the loop
-        (best effort, one sequence at a time: some may be unknown by now)."""
+    async def _memory_lost(self, cause: KvpagerError, stale: list[int], sent_new: set[int]) -> None:
+        """The Executes in flight finish first (their samples are real tokens),
+        then every sequence is rewound for re-admission (gateway/recovery.py);
+        the next Step waits a backoff."""
+        while self._inflight:
+            await asyncio.wait([call.task for call in self._inflight])
+            await self._collect()
+        for req, error in self.recovery.memory_lost(cause, stale, sent_new):
+            self.requests.fail(req, error or for_client(cause, failures.MEMORY_UNAVAILABLE), release=False)
+        self._refresh_now.set()  # re-read the executors now (off the loop)
+        self.outbox.flush()
+        await asyncio.sleep(self.recovery.backoff_s())
+
+    async def _reset(self, cause: Exception, unavailable: str, kind: str) -> None:
+        """A step failed as a whole (a bug, or a refusal no retry helps): end
+        every request (UNAVAILABLE with ``unavailable`` as the message when
+        retrying helps, else INTERNAL; ``cause`` goes to the log only) and free
+        what the memory service holds, off the loop (best effort)."""
         created = [s.seq_id for s in self.sequences if s.created]
         self._failures.ended(kind, cause, [r.request_id for r in self.requests.values()],
                              status=getattr(cause, "status", "INTERNAL"))
         self.requests.fail_all(for_client(cause, unavailable), release=False)
         self.sequences.clear()
-        if release is None:
-            release = not isinstance(cause, Unavailable)
-        if created and release:
-            asyncio.get_running_loop().create_task(self._free_each(created))
-
-    async def _free_each(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            with contextlib.suppress(KvpagerError):
-                await self.memory.free([seq_id], abort=True)
-
+        self.recovery.free_stale(created)

@@ -22,6 +22,8 @@ STATE_RESET = "the serving state was reset; retry"
 EXECUTOR_FAILED = "the executor serving this request failed; retry"
 EXECUTOR_LEFT = "the executor serving this request left or restarted; retry"
 INTERNAL = "internal error; the request was ended"
+RETRIES_EXHAUSTED = "the request lost its serving state more often than the gateway retries (--max-retries); retry"
+RECOVERY_TIMEOUT = "no memory service or executor took the request back in time (--recovery-timeout-s); retry"
 MAX_IDS_LOGGED = 32
 
 

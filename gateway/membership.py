@@ -177,6 +177,46 @@ class Executors:
         if self.clients.get(ex.executor_id) is ex:
             del self.clients[ex.executor_id]
 
+    async def reregister_missing(self, pools: list[memory_pb2.ExecutorPoolInfo]) -> None:
+        """After the memory service lost its registry (a cold restart): register
+        again those of ``pools`` (the executors served through before the loss,
+        as they last registered) that it does not list and that still hold
+        that pool (their GetInfo: same incarnation and generation) and are SERVING.
+        The same incarnation and generation make it a no-op for one that
+        re-registered itself meanwhile (its own heartbeats go on); it spares
+        the streams waiting for them a heartbeat period. A draining executor
+        (NOT_SERVING) is left alone."""
+        try:
+            listed = {p.executor_id for p in await self.memory.list_executors()}
+        except KvpagerError:
+            return  # still down: the next failed Step tries again
+        registered = 0
+        for pool in pools:
+            if pool.executor_id in listed:
+                continue
+            probe = ExecutorClient(pool, tls=self._tls, token=self._token)
+            try:
+                try:
+                    info = await probe.load_info(self.info_timeout_s)
+                except KvpagerError:
+                    continue  # down: it registers itself when (if) it comes back
+                # Only the very pool it registered (a new process there registers itself), and not draining.
+                if (info.executor_id, info.incarnation, info.pool_generation) != (
+                        pool.executor_id, pool.incarnation, pool.pool_generation) or not await probe.serving():
+                    continue
+                await self.memory.register(pool)
+                registered += 1
+                log.info("executor registered again for the memory service", executor_id=clip(pool.executor_id))
+            except KvpagerError as exc:
+                self._warnings.log(log.warning, "reregister", "registering an executor again failed",
+                                   executor_id=clip(pool.executor_id), error=clip(exc.message))
+            finally:
+                await probe.close()
+        if registered:  # join them now, not at the next periodic refresh
+            with contextlib.suppress(KvpagerError):
+                self.listed(await self.memory.list_executors())
+                self._on_join()
+
     async def deregister(self, ex: ExecutorClient) -> None:
         """Tell the memory service a lost executor is gone (it releases every block it held)."""
         try:

@@ -107,6 +107,9 @@ REQUESTS_FINISHED = Counter("kvpager_gateway_requests_finished_total",
                             ["outcome"], registry=REGISTRY)
 ABORTS = Counter("kvpager_gateway_aborts_total", "Requests cancelled, aborted or past their deadline.",
                  registry=REGISTRY)
+SEQUENCES_READMITTED = Counter("kvpager_gateway_sequences_readmitted_total",
+                               "Sequences admitted again (recompute) after a memory service or executor lost them.",
+                               registry=REGISTRY)
 ROWS_FED_AHEAD = Counter("kvpager_gateway_rows_fed_ahead_total",
                          "Decode rows sent fed with the token the executor's step before was still sampling.",
                          registry=REGISTRY)

@@ -93,6 +93,33 @@ class SequenceTable:
         self.seqs.pop(seq_id, None)
         self.changes.appends.pop(seq_id, None)
 
+    def readmit(self, seqs: list[Seq], executor_id: str) -> list[int]:
+        """Give each of ``seqs`` a new id, to be admitted again as new on
+        ``executor_id`` with every token it has (recompute: gateway/recovery.py).
+        The memory service's copies under the old ids are gone, or the caller
+        frees them; the changes still naming them are dropped. Returns the old ids."""
+        old = [s.seq_id for s in seqs]
+        gone = set(old)
+        ch = self.changes
+        for seq_id in old:
+            self.seqs.pop(seq_id, None)
+            ch.appends.pop(seq_id, None)
+        ch.free = [i for i in ch.free if i not in gone]
+        ch.abort = [i for i in ch.abort if i not in gone]
+        ch.forks = [(p, [c for c in kids if c not in gone]) for p, kids in ch.forks if p not in gone]
+        ch.forks = [(p, kids) for p, kids in ch.forks if kids]
+        for s in seqs:
+            s.seq_id = next(self._ids)
+            s.executor_id = executor_id
+            s.num_computed = 0
+            s.status = SeqStatus.WAITING
+            s.created = False
+            s.sampling = 0
+            s.feed_ahead = False
+            s.placeholders = 0
+            self.seqs[s.seq_id] = s
+        return old
+
     def take_changes(self) -> Changes:
         changes, self.changes = self.changes, Changes()
         return changes

@@ -110,3 +110,4 @@ class Seq:
     sampling: int = 0                   # rows in flight that sample its next token (results not applied yet)
     feed_ahead: bool = False            # the one in flight samples one token that a step planned now may feed
     placeholders: int = 0               # tokens the memory service holds placeholders for (replaced by appends)
+    retries: int = 0                    # times its KV was lost and it was admitted again (gateway/recovery.py)

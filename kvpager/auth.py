@@ -25,22 +25,32 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     """Rejects calls without the right bearer token with UNAUTHENTICATED.
 
     Args:
-        token: the shared secret; must be non-empty.
+        token: the shared secret (may be empty when ``also`` holds tokens).
         open_methods: full method names ("/kvpager.v1.MemoryService/GetAccounting")
             that need no token.
+        also: more full-access tokens (the gateway's tenant tokens).
+        read_only_token: a second secret accepted (besides ``token``) on
+            ``read_only_methods`` only: an operator's view that cannot mutate.
+        read_only_methods: the methods ``read_only_token`` opens.
     """
 
-    def __init__(self, token: str, open_methods: frozenset[str] = frozenset(), also: tuple[str, ...] = ()) -> None:
+    def __init__(self, token: str, open_methods: frozenset[str] = frozenset(), also: tuple[str, ...] = (), *,
+                 read_only_token: str | None = None, read_only_methods: frozenset[str] = frozenset()) -> None:
         tokens = [t for t in (token, *also) if t]
         if not tokens:
             raise ValueError("TokenAuth needs a non-empty token")
-        self._expected = tuple(f"Bearer {t}".encode() for t in tokens)  # ``also``: more accepted (tenants')
+        if read_only_token is not None and (not read_only_token or read_only_token in tokens):
+            raise ValueError("the read-only token must be non-empty and differ from the admin token (and every tenant token)")
+        self._expected = tuple(_bearer(t) for t in tokens)  # ``also``: more accepted (tenants')
+        self._read_only = _bearer(read_only_token) if read_only_token else None
         self.open_methods = frozenset(open_methods)
+        self.read_only_methods = frozenset(read_only_methods)
 
     def is_open(self, method: str) -> bool:
         return method in self.open_methods or method.startswith(_ALWAYS_OPEN)
 
-    def is_authorized(self, metadata) -> bool:
+    def is_authorized(self, metadata, method: str = "") -> bool:
+        """Whether the call's ``authorization`` carries the token ``method`` needs."""
         for key, value in metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else bytes(value)
@@ -48,16 +58,24 @@ class TokenAuth(grpc.aio.ServerInterceptor):
                 ok = False
                 for expected in self._expected:
                     ok |= hmac.compare_digest(given, expected)
-                return ok
+                if ok:
+                    return True
+                return (self._read_only is not None and method in self.read_only_methods
+                        and hmac.compare_digest(given, self._read_only))
         return False
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or self.is_open(handler_call_details.method):
+        method = handler_call_details.method
+        if handler is None or self.is_open(method):
             return handler
-        if self.is_authorized(handler_call_details.invocation_metadata):
+        if self.is_authorized(handler_call_details.invocation_metadata, method):
             return handler
         return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+
+def _bearer(token: str) -> bytes:
+    return f"Bearer {token}".encode()
 
 
 def _rejecting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpager.auth import TokenAuth
 from kvpager.interceptor import INTERNAL_DETAILS, REQUEST_ID_KEY, RETRY_AFTER_KEY, ErrorMappingInterceptor
+from kvpager.preflight import BindError
 from kvpager.telemetry import MetricsServer, get_logger, registry
 
 __all__ = ["ErrorMappingInterceptor", "INTERNAL_DETAILS", "REQUEST_ID_KEY", "RETRY_AFTER_KEY", "ServiceRuntime",
@@ -160,9 +161,11 @@ class ServiceRuntime:
             else:
                 bound = server.add_insecure_port(target)
         except RuntimeError as exc:  # newer grpc raises; older returned 0
-            raise OSError(f"{self.name}: cannot bind {target}: {exc}") from exc
+            raise BindError(f"{self.name}: cannot bind {target} (--port {self.port}): in use or not "
+                            "a local address") from exc
         if not bound:
-            raise OSError(f"{self.name}: cannot bind {target}")
+            raise BindError(f"{self.name}: cannot bind {target} (--port {self.port}): in use or not "
+                            "a local address")
         self.port = bound
         await server.start()
         self._server = server

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 # The JSON keys promised to operators, in display order.
@@ -30,7 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interval-ms", type=int, default=1000)
     p.add_argument("--timeout-s", type=float, default=5.0)
     p.add_argument("--token", default=None,
-                   help="admin token of a memory service that requires one (default: $KVPAGER_ADMIN_TOKEN)")
+                   help="admin or read-only token of a memory service that requires one (default: "
+                        "$KVPAGER_ADMIN_TOKEN, $KVPAGER_ADMIN_TOKEN_FILE, $KVPAGER_READ_ONLY_TOKEN, "
+                        "$KVPAGER_READ_ONLY_TOKEN_FILE)")
     from kvpager.security import add_client_tls_arguments
 
     add_client_tls_arguments(p)
@@ -88,18 +89,17 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from kvpager.channel import make_channel
+    from kvpager.channel import auth_metadata, make_channel
+    from kvpager.security import admin_token_from_args, read_only_token_from_args, security_from_args
     from kvpager.v1 import memory_pb2, memory_pb2_grpc
-
-    from kvpager.channel import auth_metadata
-    from kvpager.security import ADMIN_TOKEN_ENV, security_from_args
 
     try:
         tls = security_from_args(args).client_tls()
+        token = (args.token or admin_token_from_args(argparse.Namespace())
+                 or read_only_token_from_args(argparse.Namespace()))
     except ValueError as exc:
         print(f"kvpager blocks: {exc}", file=sys.stderr)
         return 2
-    token = args.token or os.environ.get(ADMIN_TOKEN_ENV) or None
     # Per-call metadata: a blocking plaintext channel cannot carry call credentials.
     metadata = auth_metadata(token) if token else None
     channel = make_channel(args.address, tls=tls, aio=False)

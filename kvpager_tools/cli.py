@@ -22,16 +22,17 @@ SERVICES = {
 
 # tooling subcommand -> module exposing register(subparsers)
 TOOLS = {
-    "up": "kvpager_tools.stack",
+    "up": "kvpager_tools.up",
     "demo": "kvpager_tools.demo",
     "blocks": "kvpager_tools.blocks",
     "demo-model": "kvpager_tools.demo_model",
     "generate": "kvpager_tools.generate",
     "bench": "kvpager_tools.bench",
     "drill": "kvpager_tools.drills",
+    "health": "kvpager_tools.health",
 }
 
-ORDER = ("up", "demo", "memory", "blocks", "executor", "demo-model", "gateway", "generate", "bench", "drill")
+ORDER = ("up", "demo", "memory", "blocks", "executor", "demo-model", "gateway", "generate", "bench", "drill", "health")
 
 
 def _executor_run(args: argparse.Namespace) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,7 +58,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_observability_arguments(p)
 
-    add_security_arguments(p, server=True, client=True, admin_token=True, open_read_only=True)
+    add_security_arguments(p, server=True, client=True, admin_token=True, open_read_only=True,
+                           read_only_token=True)
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """Ports someone else holds, reported now (naming the flag) instead of as a bind traceback.
+
+    Raises:
+        UsageError: the first port that cannot be bound.
+    """
+    from kvpager.preflight import check_port_free
+
+    check_port_free(args.host, args.port, flag="--port")
+    check_port_free(args.metrics_host, args.metrics_port, flag="--metrics-port")
+    check_port_free(args.http_host or args.host, args.http_port, flag="--http-port")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -68,6 +81,9 @@ def config_from_args(args: argparse.Namespace):
     from memory_service.service import MemoryConfig
 
     security = security_from_args(args)
+    if security.read_only_token and not security.admin_token:
+        raise ValueError("--read-only-token needs an admin token (--admin-token-file or $KVPAGER_ADMIN_TOKEN): "
+                         "without one every RPC is open")
     for flag in ("tenant_max_blocks", "tenant_max_pinned_blocks"):
         if not getattr(args, flag) >= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag):g}")
@@ -84,26 +100,31 @@ def config_from_args(args: argparse.Namespace):
                         grace_s=args.grace_s,
                         redis_url=getattr(args, "redis_url", None), tls=security.server_tls(),
                         client_tls=security.client_tls(), admin_token=security.admin_token,
-                        open_read_only=security.open_read_only, limits=limits)
+                        read_only_token=security.read_only_token, open_read_only=security.open_read_only,
+                        limits=limits)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvpager.preflight import BindError, report
     from kvpager.telemetry import configure_logging
     from memory_service.service import MemoryServer
 
     configure_logging("memory", args.log_level, log_format=args.log_format)
     try:
+        preflight(args)
         config = config_from_args(args)
-    except ValueError as exc:  # inconsistent flags (e.g. a TLS cert without its key)
-        print(f"kvpager memory: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # a port in use, a TLS cert without its key ...
+        return report("kvpager memory", exc)
 
     async def main() -> None:
         server = MemoryServer(config)
         await server.start()
         await server.serve_until_signal()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except BindError as exc:  # taken between the check and the bind
+        return report("kvpager memory", exc)
     return 0
 
 

@@ -53,6 +53,7 @@ class MemoryConfig:
     tls: TlsConfig | None = None
     client_tls: ClientTls | None = None
     admin_token: str | None = field(default=None, repr=False)
+    read_only_token: str | None = field(default=None, repr=False)  # accepted on the read-only RPCs only
     open_read_only: bool = False
     limits: MemoryLimits = field(default_factory=MemoryLimits)  # what one RPC may ask (docs/security.md)
 
@@ -82,7 +83,8 @@ class MemoryServer:
         self.runtime = ServiceRuntime("memory", host=config.host, port=config.port,
                                       metrics_port=config.metrics_port, metrics_host=config.metrics_host,
                                       grace_s=config.grace_s, tls=config.tls,
-                                      auth=memory_auth(config.admin_token, config.open_read_only))
+                                      auth=memory_auth(config.admin_token, config.open_read_only,
+                                                       config.read_only_token))
         self.runtime.add(memory_pb2_grpc.add_MemoryServiceServicer_to_server,
                          MemoryServicer(self.state), SERVICE_NAME)
         self._reaper: asyncio.Task | None = None
@@ -91,7 +93,8 @@ class MemoryServer:
             from kvpager.asgi import AsgiServer
             from memory_service.blockmap.app import make_app
 
-            app = make_app(self.state, token=None if config.open_read_only else config.admin_token,
+            open_map = config.open_read_only or not config.admin_token
+            app = make_app(self.state, tokens=() if open_map else (config.admin_token, config.read_only_token),
                            serving=lambda: self.runtime.serving)
             self.http = AsgiServer(config.http_host, config.http_port, app, tls=config.tls, grace_s=config.grace_s,
                                    name="blockmap")
@@ -116,7 +119,11 @@ class MemoryServer:
                 raise
         if self.mirror is not None:
             await self.mirror.start()
-            await self._recover()
+            self.state.recovering = True
+            try:
+                await self._recover()
+            finally:
+                self.state.recovering = False
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
         await self.runtime.set_serving(True)
         return self

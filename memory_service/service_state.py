@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvpager.errors import FailedPrecondition, NotFound
+from kvpager.errors import FailedPrecondition, NotFound, Unavailable
 from kvpager.log_limits import LogLimiter, clip
 from kvpager.telemetry import get_logger
 from memory_service.costs import ExecutorCosts
@@ -40,6 +40,9 @@ class MemoryState:
         self._last_seen: dict[str, float] = {}
         self._warnings = LogLimiter(30.0)
         self.mirror = None  # set by the Redis mirror when enabled
+        # Rebuilding from the mirror (MemoryServer.start): Steps are refused, since a block
+        # allocated, written and freed meanwhile could be restored with the hash of what it held.
+        self.recovering = False
         self._last_logged: StepOutput | None = None  # the last output whose preemptions were logged
         self._collector = AccountingCollector(self)
         COLLECTORS.attach(self._collector)
@@ -108,6 +111,8 @@ class MemoryState:
 
     # the hot path
     def step(self, step: StepInput) -> StepOutput:
+        if self.recovering:
+            raise Unavailable("rebuilding the prefix cache from the mirror; retry")
         t0 = time.perf_counter()
         out = self.manager.step(step)
         STEP_LATENCY.observe(time.perf_counter() - t0)

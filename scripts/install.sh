@@ -2,7 +2,7 @@
 # Install kvpager into the current Python environment.
 #   bash scripts/install.sh          # the package and its CLI
 #   bash scripts/install.sh --test   # plus what the test suite needs (pytest, hypothesis, a redis-server,
-#                                    # chromium for the block map's browser tests, promtool)
+#                                    # chromium for the block map's browser tests, promtool, docker-compose)
 # torch: any build in the project's range that is already installed is kept
 # (a CUDA build on a GPU machine); otherwise the CPU wheel 2.13.0 is taken.
 set -euo pipefail
@@ -38,10 +38,12 @@ if [ -n "$extras" ] && ! command -v redis-server >/dev/null 2>&1; then
 fi
 if [ -n "$extras" ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   # The block map is tested in a real headless browser (Playwright drives the system chromium: no
-  # browser download), and the metrics exposition and scrape config are checked with promtool.
+  # browser download), the metrics exposition and scrape config are checked with promtool, and
+  # every compose profile is rendered with docker-compose (no engine needed).
   need=""
   command -v chromium >/dev/null 2>&1 || need="$need chromium"
   command -v promtool >/dev/null 2>&1 || need="$need prometheus"
+  command -v docker-compose >/dev/null 2>&1 || need="$need docker-compose"
   if [ -n "$need" ]; then
     echo "[install]$need (Debian packages)" >&2
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $need) \

@@ -168,7 +168,13 @@ def bench_model(name: str, args, batch_sizes: list[int]) -> dict:
         if server is not None:
             channel.close()
             asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+            # Stop and close the loop before the interpreter exits: a loop left running in a
+            # daemon thread still has grpc's poller fd registered, and its teardown at exit
+            # logged "OSError: [Errno 9] Bad file descriptor".
             loop.call_soon_threadsafe(loop.stop)
+            thread.join(30)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
     return {
         "model": name,
         "path": str(path),

@@ -1,12 +1,14 @@
 """executor-kill: SIGKILL an executor mid-stream, then restart it.
 
-Streams spread over every executor; once each has produced tokens, the last
-executor is killed. Its streams must end with UNAVAILABLE within
-``unavailable_within_s``, the others complete with their undisturbed greedy
-output; the memory service drops the dead executor and every block it held;
-new requests go to the survivors. Then the executor is started again (a new
-process: a new incarnation), must rejoin (the gateway routes to it again) and
-serve correct outputs.
+Greedy and seeded-sampling streams spread over every executor; once each has
+produced tokens, the last executor is killed. With a survivor (two executors,
+the default) the killed executor's streams move to it (recompute) and
+every stream completes with exactly its undisturbed tokens; with one
+executor its streams end UNAVAILABLE within ``unavailable_within_s``. The
+memory service drops the dead executor and every block it held; new requests
+go to the survivors. Then the executor is started again (a new process: a new
+incarnation), must rejoin (the gateway routes to it again) and serve correct
+outputs.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import dataclasses
 import signal
 import time
 
-from kvpager_tools.drills.common import DrillEnv, DrillResult, greedy_request, random_prompt, start_streams
+from kvpager_tools.drills import survival
+from kvpager_tools.drills.common import DrillEnv, DrillResult, greedy_request, random_prompt
 from kvpager_tools.drills.runner import Needs
 from kvpager_tools.stack import wait_routed
 from kvpager.v1 import memory_pb2
 
 NEEDS = Needs(executors=2)
-ALLOWED = frozenset({"UNAVAILABLE"})
+ALLOWED = frozenset({"UNAVAILABLE"})  # with one executor only: its streams have nowhere to go
 
 
 @dataclasses.dataclass
@@ -32,6 +35,13 @@ class Options:
     unavailable_within_s: float = 10.0
     after_requests: int = dataclasses.field(default=8, metadata={"help": "requests after the kill and after rejoin"})
     restart: bool = dataclasses.field(default=True, metadata={"help": "start the executor again and check it rejoins"})
+    survivor: bool = dataclasses.field(default=True, metadata={
+        "help": "at least 2 executors (the killed one's streams move to a survivor); --no-survivor: the stack's "
+                "own count, 1 by default (they end UNAVAILABLE)"})
+
+
+def needs(opts: Options) -> Needs:
+    return Needs(executors=2 if opts.survivor else 1)
 
 
 async def _executors(env: DrillEnv) -> dict[str, memory_pb2.ExecutorPoolInfo]:
@@ -44,9 +54,7 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
     c = env.clients
     rng = env.rng
     names = env.executor_names
-    if len(names) < 2:
-        result.violation("executor-kill needs at least 2 executors")
-        return result
+    survivors = len(names) > 1
     victim = names[-1]
     info = await c.model_info()
     before = await _executors(env)
@@ -55,30 +63,24 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
     short = 16
     for p in after:
         await env.reference(p, short)
-    for p in prompts:
-        await env.reference(p, opts.max_tokens)
+    requests = survival.mixed_requests(prompts, opts.max_tokens, env.seed)
+    refs = await survival.references(c, requests)
 
-    tasks, num_started = await start_streams(c, prompts, opts.max_tokens)
+    tasks, num_started = await survival.start(c, requests)
     if num_started < len(prompts):
         result.violation(f"only {num_started} of {len(prompts)} streams started before the kill")
     load = {p.executor_id: p.num_sequences for p in (await c.accounting()).executors}
     t_kill = time.perf_counter()
     env.stack.kill(victim, signal.SIGKILL)
     outs = await asyncio.gather(*tasks)
-    worst = 0.0
-    for p, out in zip(prompts, outs):
-        result.record(out.status)
-        if out.status == "OK":
-            env.check_output(result, p, opts.max_tokens, out)
-        else:
-            worst = max(worst, out.ended_s - t_kill)
+    streams = survival.tally(result, outs, refs, num_started, t_kill, expect_ok=survivors)
+    worst = max((o.ended_s - t_kill for o in outs if o.status != "OK"), default=0.0)
     if worst > opts.unavailable_within_s:
         result.violation(f"a stream of the killed executor ended {worst:.1f}s after the kill "
                          f"(limit {opts.unavailable_within_s:g}s)")
     num_unavailable = sum(o.status == "UNAVAILABLE" for o in outs)
-    num_completed = sum(o.status == "OK" for o in outs)
-    if load.get(victim, 0) and not num_unavailable:
-        result.violation("the victim held sequences but no stream ended UNAVAILABLE")
+    if not survivors and load.get(victim, 0) and not num_unavailable:
+        result.violation("the only executor held sequences but no stream ended UNAVAILABLE")
 
     # The memory service forgot the victim and everything it held.
     deadline = time.monotonic() + opts.unavailable_within_s
@@ -89,8 +91,8 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
         await asyncio.sleep(0.05)
     gone_s = time.monotonic() - t_kill
 
-    # New requests go to the survivors.
-    outs = await asyncio.gather(*(c.generate(greedy_request(p, short)) for p in after))
+    # New requests go to the survivors (with none: wait for the restart below).
+    outs = [] if not survivors else await asyncio.gather(*(c.generate(greedy_request(p, short)) for p in after))
     for p, out in zip(after, outs):
         result.record(out.status)
         env.check_output(result, p, short, out)
@@ -98,8 +100,8 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
         result.violation("requests after the kill failed: "
                          + ", ".join(sorted({o.status for o in outs if o.status != 'OK'})))
 
-    figures = {"victim": victim, "victim_sequences_at_kill": load.get(victim, 0),
-               "streams_unavailable": num_unavailable, "streams_completed": num_completed,
+    figures = {"executors": len(names), "victim": victim, "victim_sequences_at_kill": load.get(victim, 0),
+               "streams": streams, "streams_unavailable": num_unavailable,
                "last_unavailable_after_kill_s": round(worst, 3), "deregistered_after_s": round(gone_s, 3)}
     if opts.restart:
         t0 = time.monotonic()
@@ -121,6 +123,6 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
         figures["rejoined_served_prompt_tokens"] = served.get(victim, 0)
         if not served.get(victim):
             result.violation(f"{victim} rejoined but was routed no request")
-    result.forbid(ALLOWED, "streams")
+    result.forbid(ALLOWED if not survivors else frozenset(), "streams")
     result.figures.update(figures)
     return result

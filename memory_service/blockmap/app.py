@@ -6,7 +6,7 @@
   default 250, so 4 updates/s); ``/api/sequences/{seq_id}`` one block table;
 * ``/metrics`` the memory registry, ``/health`` 200 while serving, else 503.
 
-Read-only. The ``/api`` routes want ``Authorization: Bearer <admin token>``
+Read-only. The ``/api`` routes want ``Authorization: Bearer <admin or read-only token>``
 exactly when the read-only RPCs do (an admin token set and no
 ``--open-read-only``); the page itself holds no data and asks for the token.
 """
@@ -40,18 +40,20 @@ def _dumps(body: dict) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def make_app(state, *, token: str | None, serving: Callable[[], bool]) -> Starlette:
-    """``state``: the MemoryState; ``token``: required on /api (None: open).
+def make_app(state, *, tokens: tuple[str | None, ...], serving: Callable[[], bool]) -> Starlette:
+    """``state``: the MemoryState; ``tokens``: one of them is required on /api
+    (the admin and the read-only token; none given: open).
     ``app.state.closing.set()`` ends every stream at its next tick (a stop)."""
     page = files("memory_service.blockmap").joinpath("static/index.html").read_bytes()
-    expected = f"Bearer {token}".encode() if token else None
+    expected = [f"Bearer {token}".encode() for token in tokens if token]
     cache = FrameCache()
     closing = asyncio.Event()
 
     def denied(request: Request) -> JSONResponse | None:
-        if expected is None:
+        if not expected:
             return None
-        if hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+        given = request.headers.get("authorization", "").encode()
+        if any(hmac.compare_digest(given, token) for token in expected):
             return None
         return _error(401, "missing or invalid admin token (send Authorization: Bearer <token>)")
 

@@ -192,7 +192,17 @@ async def test_unloadable_model_fails_start(tmp_path):
         await start_executor_server(ExecutorConfig(model=str(tmp_path / "missing"), device="cpu"))
 
 
-def test_cli_exits_nonzero_when_the_model_cannot_load(tmp_path):
+def test_cli_exits_nonzero_when_the_model_cannot_load(tmp_path, capsys):
+    import json
+
     from kvpager_tools.cli import main
 
-    assert main(["executor", "--model", str(tmp_path / "missing"), "--port", "0", "--device", "cpu"]) == 1
+    # not a checkpoint directory: the operator's error, found before anything starts
+    assert main(["executor", "--model", str(tmp_path / "missing"), "--port", "0", "--device", "cpu"]) == 2
+    # looks like one (a Llama config.json) but has no weights: the load fails, one error line, exit 1
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    capsys.readouterr()
+    assert main(["executor", "--model", str(tmp_path / "noweights"), "--port", "0", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "executor failed to start" in err and "Traceback" not in err

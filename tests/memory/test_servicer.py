@@ -232,6 +232,21 @@ async def test_reregistration_with_new_incarnation_drops_sequences(memory):
                  stub.Heartbeat(memory_pb2.HeartbeatRequest(executor_id="e0", incarnation=1)))
 
 
+def test_steps_are_refused_while_the_mirror_is_restored():
+    """A block allocated, written and freed during recovery could be restored
+    with the hash of what it held before: Steps wait (UNAVAILABLE, retryable)."""
+    from kvpager.errors import Unavailable
+    from memory_service.records import StepInput
+    from memory_service.service_state import MemoryState
+
+    state = MemoryState()
+    state.recovering = True
+    with pytest.raises(Unavailable, match="mirror"):
+        state.step(StepInput(step_id=1))
+    state.recovering = False
+    assert state.step(StepInput(step_id=1)).step_id == 1
+
+
 async def test_measured_costs_arrive_with_heartbeats_and_explain_the_preemption(memory):
     stub = memory
     costs = memory_pb2.ExecutorCosts(prefill_batch_tokens=[8], prefill_tokens_per_s=[1000.0],

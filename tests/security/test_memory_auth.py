@@ -55,3 +55,28 @@ async def test_admin_token(open_read_only):
                 assert await code(stub, method, request, auth_metadata("adm1n")) != grpc.StatusCode.UNAUTHENTICATED
     finally:
         await server.stop(0)
+
+
+async def test_read_only_token_opens_only_the_read_only_rpcs():
+    server = await MemoryServer(MemoryConfig(port=0, admin_token="adm1n", read_only_token="v1ewer")).start()
+    try:
+        async with make_channel(server.address) as channel:
+            stub = memory_pb2_grpc.MemoryServiceStub(channel)
+            calls = {**READ_ONLY, "WatchAccounting": memory_pb2.WatchAccountingRequest(interval_ms=100)}
+            for method, request in calls.items():
+                assert await code(stub, method, request, None) == grpc.StatusCode.UNAUTHENTICATED, method
+                assert await code(stub, method, request, auth_metadata("v1ewer")) == grpc.StatusCode.OK, method
+                assert await code(stub, method, request, auth_metadata("adm1n")) == grpc.StatusCode.OK, method
+            for method, request in MUTATING.items():
+                assert await code(stub, method, request, auth_metadata("v1ewer")) == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await server.stop(0)
+
+
+def test_a_read_only_token_needs_an_admin_token_and_differs_from_it():
+    from kvpager.security import memory_auth
+
+    with pytest.raises(ValueError, match="needs an admin token"):
+        memory_auth(None, False, "v1ewer")
+    with pytest.raises(ValueError, match="differ from the admin token"):
+        memory_auth("same", False, "same")

@@ -7,8 +7,15 @@ import subprocess
 
 import pytest
 
-from kvpager.security import (ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, SecurityConfig, add_security_arguments,
-                              memory_auth, security_from_args)
+from kvpager.security import (
+    ADMIN_TOKEN_ENV,
+    AUTH_TOKEN_ENV,
+    READ_ONLY_TOKEN_ENV,
+    SecurityConfig,
+    add_security_arguments,
+    memory_auth,
+    security_from_args,
+)
 
 
 def parse(argv, **kw):
@@ -40,9 +47,12 @@ def test_tokens_never_in_repr_or_argv():
     assert "s3cret" not in repr(sec)
     for role in ("memory", "executor", "gateway"):
         assert not any("s3cret" in a for a in sec.child_args(role))
-    assert sec.child_env() == {AUTH_TOKEN_ENV: "s3cret-a", ADMIN_TOKEN_ENV: "s3cret-b"}
+    unset = {READ_ONLY_TOKEN_ENV: "", **{env + "_FILE": "" for env in (AUTH_TOKEN_ENV, ADMIN_TOKEN_ENV,
+                                                                       READ_ONLY_TOKEN_ENV)}}
+    assert sec.child_env() == {AUTH_TOKEN_ENV: "s3cret-a", ADMIN_TOKEN_ENV: "s3cret-b", **unset}
     assert sec.child_args("memory") == ["--open-read-only"] and sec.child_args("gateway") == []
-    assert SecurityConfig().child_env() == {AUTH_TOKEN_ENV: "", ADMIN_TOKEN_ENV: ""}  # unset inherited ones
+    # inherited ones unset, files included: what the parent chose is what the child uses
+    assert SecurityConfig().child_env() == {AUTH_TOKEN_ENV: "", ADMIN_TOKEN_ENV: "", **unset}
 
 
 def test_inconsistent_flags_are_refused(dev_certs):
@@ -94,3 +104,27 @@ def test_dev_ca_script(dev_certs):
                          str(dev_certs / "client.crt")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert (dev_certs / "server.key").stat().st_mode & 0o077 == 0  # keys are private
+
+
+def test_tokens_from_files(tmp_path, monkeypatch):
+    from kvpager.security import ADMIN_TOKEN_ENV, READ_ONLY_TOKEN_ENV
+
+    for env in (ADMIN_TOKEN_ENV, AUTH_TOKEN_ENV, READ_ONLY_TOKEN_ENV):
+        monkeypatch.delenv(env, raising=False)
+        monkeypatch.delenv(env + "_FILE", raising=False)
+    (tmp_path / "admin").write_text("from-the-flag-file\n")  # echo's newline dropped
+    (tmp_path / "env").write_text("  from-the-env-file  ")
+    (tmp_path / "empty").write_text("\n")
+    sec = parse(["--admin-token-file", str(tmp_path / "admin")], admin_token=True)
+    assert sec.admin_token == "from-the-flag-file"
+    monkeypatch.setenv(ADMIN_TOKEN_ENV + "_FILE", str(tmp_path / "env"))
+    assert parse([], admin_token=True).admin_token == "from-the-env-file"
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-the-variable")  # the variable before its _FILE form
+    assert parse([], admin_token=True).admin_token == "from-the-variable"
+    assert parse(["--admin-token", "flag"], admin_token=True).admin_token == "flag"  # the flag first
+    with pytest.raises(ValueError, match=r"--admin-token-file .*empty: the file is empty"):
+        parse(["--admin-token-file", str(tmp_path / "empty")], admin_token=True)
+    monkeypatch.delenv(ADMIN_TOKEN_ENV)
+    monkeypatch.setenv(ADMIN_TOKEN_ENV + "_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"\$KVPAGER_ADMIN_TOKEN_FILE .*missing: No such file"):
+        parse([], admin_token=True)

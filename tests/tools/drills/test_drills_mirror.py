@@ -37,15 +37,24 @@ def test_memory_crash_under_load_rebuilds_and_serves_nothing_wrong(env):
     summary = assert_ok(run_drill(env, "memory-restart", streams=6, max_tokens=32, prefix_blocks=4,
                                   kill_signal="KILL", unconfirmed_round=False))
     figures = summary["figures"]
-    assert figures["recovered_cached_blocks"] > 0 and not figures["fenced"]
+    assert figures["cached_blocks_after_restart"] > 0 and not figures["fenced"]
     assert figures["prefix_hit_after_restart_tokens"] >= 3 * 8
-    assert set(summary["failures_by_status"]) <= {"UNAVAILABLE"}
+    assert figures["streams"]["failed"] == 0 and figures["streams"]["completed"] == 6, figures
 
 
 def test_memory_restart(env):
     summary = assert_ok(run_drill(env, "memory-restart", streams=6, max_tokens=64, prefix_blocks=4))
     figures = summary["figures"]
-    assert figures["recovered_cached_blocks"] > 0 and not figures["fenced"]
+    assert figures["cached_blocks_after_restart"] > 0 and not figures["fenced"]
     assert figures["prefix_hit_after_restart_tokens"] >= 3 * 8
     assert figures["unconfirmed_round"]["prefix_hit_tokens"] == 0
-    assert set(summary["failures_by_status"]) <= {"UNAVAILABLE"}
+    assert figures["streams"]["failed"] == 0 and figures["streams"]["completed"] == 6, figures
+
+
+def test_executor_kill_with_one_executor_ends_its_streams_unavailable(env):
+    """Nowhere to move them: the bounded UNAVAILABLE of before (this stack has one executor)."""
+    summary = assert_ok(run_drill(env, "executor-kill", streams=4, max_tokens=96, after_requests=2, survivor=False))
+    figures = summary["figures"]
+    assert figures["executors"] == 1 and figures["victim_sequences_at_kill"] >= 1
+    assert figures["streams"]["failed"] >= 1 and figures["last_unavailable_after_kill_s"] < 10
+    assert set(summary["failures_by_status"]) == {"UNAVAILABLE"}

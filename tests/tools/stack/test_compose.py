@@ -1,8 +1,12 @@
-"""docker-compose.yml: valid for compose, and shaped as docs/deploy.md says
-(only the gateway's APIs, the block map and the observability profile's UIs
-published, on loopback; health-gated start order; the gpu profile reserves an
-NVIDIA device; every service's metrics reachable on the internal network and
-scraped by the profile's Prometheus). Needs a compose binary, not an engine."""
+"""docker-compose.yml and its overrides (docker-compose.secrets.yml,
+docker-compose.tls.yml): every profile renders with `docker-compose config`,
+and the result is shaped as docs/deploy.md says: no profile is a working CPU
+stack; the gpu profile builds its own CUDA image and reserves an NVIDIA
+device; models in a named volume or a bind mount; the admin token generated
+once and read from a file (or Docker secrets); TLS-aware health checks; only
+the gateway's APIs, the block map and the observability UIs published, on
+loopback; health-gated start order; every service's metrics scraped by the
+profile's Prometheus. Needs a compose binary, not an engine."""
 
 from __future__ import annotations
 
@@ -15,9 +19,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-ONE_SHOT = {"model-init"}  # runs to completion; no healthcheck, depended on by completion
+SECRETS_FILE = ROOT / "docker-compose.secrets.yml"
+TLS_FILE = ROOT / "docker-compose.tls.yml"
+ONE_SHOT = {"init"}  # runs to completion; no healthcheck, depended on by completion
 NOT_GRPC = {"redis", "prometheus", "grafana"}  # health-checked their own way
 KVPAGER = ("memory", "executor", "executor-cpu", "gateway")
+DEFAULT = {"redis", "init", "memory", "executor-cpu", "gateway"}  # `docker compose up`, no profile
 
 
 def compose_command() -> list[str] | None:
@@ -33,9 +40,13 @@ COMPOSE = compose_command()
 pytestmark = pytest.mark.skipif(COMPOSE is None, reason="no docker-compose / docker compose binary")
 
 
-def compose(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*COMPOSE, "-f", str(COMPOSE_FILE), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+def compose(*args: str, files: tuple[Path, ...] = (COMPOSE_FILE,), env: dict | None = None):
+    import os
+
+    flags = [arg for f in files for arg in ("-f", str(f))]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVPAGER_")}  # the file's defaults
+    return subprocess.run([*COMPOSE, *flags, *args], check=False, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**environ, **(env or {})})
 
 
 def yaml_to_json(text: str) -> dict:
@@ -56,19 +67,24 @@ def yaml_to_json(text: str) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.fixture(scope="module")
-def config() -> dict:
-    """The resolved config, every profile's services included."""
-    args = ("--profile", "gpu", "--profile", "cpu", "--profile", "observability", "config")
-    as_json = compose(*args, "--format", "json")  # compose v2; v1 prints its usage instead
+def rendered(*files: Path, env: dict | None = None) -> dict:
+    """The resolved config of ``files`` (default: docker-compose.yml alone), every profile's services included."""
+    files = files or (COMPOSE_FILE,)
+    args = ("--profile", "gpu", "--profile", "observability", "config")
+    as_json = compose(*args, "--format", "json", files=files, env=env)  # compose v2; v1 prints its usage
     if as_json.returncode == 0:
         try:
             return json.loads(as_json.stdout)
         except json.JSONDecodeError:
             pass
-    out = compose(*args)
+    out = compose(*args, files=files, env=env)
     assert out.returncode == 0, out.stderr
     return yaml_to_json(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    return rendered()
 
 
 def published(service: dict) -> list[tuple[str, str]]:
@@ -83,18 +99,37 @@ def published(service: dict) -> list[tuple[str, str]]:
     return out
 
 
-def test_config_is_valid():
-    out = compose("config", "-q")
+@pytest.mark.parametrize("files", [(COMPOSE_FILE,), (COMPOSE_FILE, SECRETS_FILE), (COMPOSE_FILE, TLS_FILE),
+                                   (COMPOSE_FILE, SECRETS_FILE, TLS_FILE)], ids=["base", "secrets", "tls", "both"])
+@pytest.mark.parametrize("profile", ["", "gpu", "observability"])
+def test_every_profile_and_override_renders(files, profile):
+    out = compose(*(("--profile", profile) if profile else ()), "config", "-q", files=files)
     assert out.returncode == 0, out.stderr
 
 
-def test_services_and_profiles(config):
+def test_no_profile_is_a_working_cpu_stack(config):
     services = config["services"]
-    assert set(services) == {"redis", "model-init", "memory", "executor", "executor-cpu", "gateway", "prometheus",
-                             "grafana"}
-    assert services["executor"]["profiles"] == ["gpu"] and services["executor-cpu"]["profiles"] == ["cpu"]
+    assert {name for name, s in services.items() if not s.get("profiles")} == DEFAULT
+    assert services["executor"]["profiles"] == ["gpu"]
     assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["observability"]
     assert "--redis-url=redis://redis:6379/0" in services["memory"]["command"]
+    cpu = services["executor-cpu"]["command"]
+    assert "--device=cpu" in cpu and "--model=/models/demo" in cpu and "--memory-address=memory:50051" in cpu
+    gateway = services["gateway"]["command"]
+    assert "--model=/models/demo" in gateway and "--port=50050" in gateway and "--http-port=8000" in gateway
+    # the CPU image: the CPU torch wheel, selected by the build argument
+    assert services["executor-cpu"]["build"]["args"]["TORCH_VARIANT"] == "cpu"
+    assert services["executor-cpu"]["image"] == services["gateway"]["image"] == "kvpager:latest"
+
+
+def test_gpu_profile_builds_a_cuda_image_by_itself(config):
+    executor = config["services"]["executor"]
+    assert executor["image"] == "kvpager:cuda" != config["services"]["executor-cpu"]["image"]
+    assert executor["build"]["args"]["TORCH_VARIANT"] == "cu128"
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "ARG TORCH_VARIANT=cpu" in dockerfile
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}" in dockerfile
+    assert 'pip install --index-url "${TORCH_INDEX_URL}"' in dockerfile
 
 
 def test_only_the_front_doors_are_published_on_loopback(config):
@@ -125,10 +160,11 @@ def test_every_backend_service_is_health_checked(config):
             continue
         check = service.get("healthcheck")
         assert check and check["test"] and not check.get("disable"), name
-        if name not in NOT_GRPC:  # gRPC services: grpc.health.v1 against their own port
-            assert "grpc_health" in " ".join(check["test"]), name
+        if name not in NOT_GRPC:  # gRPC services: grpc.health.v1 against their own port, TLS-aware
+            assert check["test"] == ["CMD", "python", "-m", "kvpager_tools.health"], name
             port = next(arg.split("=")[1] for arg in service["command"] if arg.startswith("--port="))
             assert service["environment"]["KVPAGER_HEALTH_ADDRESS"] == f"127.0.0.1:{port}", name
+            assert service["environment"]["KVPAGER_HEALTH_SERVER_NAME"] == name, name  # its certificate's name
 
 
 def test_depends_on_waits_for_health(config):
@@ -139,8 +175,8 @@ def test_depends_on_waits_for_health(config):
         for dep, spec in depends.items():
             want = "service_completed_successfully" if dep in ONE_SHOT else "service_healthy"
             assert spec["condition"] == want, (name, dep)
-    assert set(services["memory"]["depends_on"]) == {"redis"}
-    assert set(services["executor"]["depends_on"]) == {"memory", "model-init"}
+    assert set(services["memory"]["depends_on"]) == {"redis", "init"}
+    assert set(services["executor"]["depends_on"]) == {"memory", "init"}
     assert set(services["gateway"]["depends_on"]) >= {"memory"}
 
 
@@ -151,14 +187,79 @@ def test_gpu_profile_reserves_an_nvidia_device(config):
     assert "deploy" not in config["services"]["executor-cpu"]
 
 
-def test_models_volume_and_model_init(config):
+def _mount(service: dict, target: str) -> tuple[str, str, bool] | None:
+    """(type, source, read_only) of the mount at ``target``, short or long form."""
+    for m in service.get("volumes", []):
+        if isinstance(m, dict):
+            if m["target"] == target:
+                return m["type"], str(m.get("source", "")), bool(m.get("read_only"))
+        else:
+            parts = m.split(":")
+            if parts[1] == target:
+                kind = "bind" if parts[0].startswith(("/", ".")) else "volume"
+                return kind, parts[0], len(parts) > 2 and "ro" in parts[2].split(",")
+    return None
+
+
+def test_models_volume_or_bind_mount(config):
     assert "models" in config["volumes"]
-    init = config["services"]["model-init"]
-    assert "kvpager demo-model /models/demo" in " ".join(init["command"])
-    for name in ("model-init", "executor", "executor-cpu", "gateway"):
-        mounts = config["services"][name]["volumes"]
-        targets = [m["target"] if isinstance(m, dict) else m.split(":")[1] for m in mounts]
-        assert "/models" in targets, name
+    init = config["services"]["init"]
+    assert "kvpager demo-model /models/demo.tmp" in " ".join(init["command"])
+    assert _mount(init, "/models") == ("volume", "models", False)  # init writes the demo model
+    for name in ("executor", "executor-cpu", "gateway"):
+        assert _mount(config["services"][name], "/models") == ("volume", "models", True), name
+    # the documented way to serve your own checkpoints: a host directory, bind-mounted read-only
+    own = rendered(env={"KVPAGER_MODELS_DIR": "./my-models", "KVPAGER_MODEL": "/models/mine"})
+    for name in ("executor-cpu", "gateway"):
+        kind, source, read_only = _mount(own["services"][name], "/models")
+        assert kind == "bind" and source.endswith("/my-models") and read_only, name
+        assert "--model=/models/mine" in own["services"][name]["command"], name
+    assert own["services"]["init"]["environment"]["KVPAGER_MODEL"] == "/models/mine"
+
+
+def test_the_admin_token_is_generated_once_and_read_from_a_file(config):
+    services = config["services"]
+    assert "kvpager-secrets" in config["volumes"]
+    script = " ".join(services["init"]["command"])
+    assert "umask 077" in script and "token_urlsafe" in script and "[ ! -s /run/kvpager-secrets/admin_token ]" in script
+    assert _mount(services["init"], "/run/kvpager-secrets") == ("volume", "kvpager-secrets", False)
+    for name in KVPAGER:
+        s = services[name]
+        assert s["environment"]["KVPAGER_ADMIN_TOKEN_FILE"] == "/run/kvpager-secrets/admin_token", name
+        assert _mount(s, "/run/kvpager-secrets") == ("volume", "kvpager-secrets", True), name
+        assert not any("token" in arg for arg in s["command"]), name  # never on a command line
+    # read-only accounting open to the internal network, mutating RPCs behind the token
+    assert "--open-read-only" in services["memory"]["command"]
+
+
+def _secret_names(service: dict) -> set[str]:
+    return {s["source"] if isinstance(s, dict) else s for s in service.get("secrets", [])}
+
+
+def test_docker_secrets_override(config):
+    own = rendered(COMPOSE_FILE, SECRETS_FILE)
+    assert set(own["secrets"]) == {"admin_token", "auth_token"}
+    assert own["secrets"]["admin_token"]["file"].endswith("/secrets/admin_token")
+    for name in KVPAGER:
+        s = own["services"][name]
+        assert "admin_token" in _secret_names(s), name
+        assert s["environment"]["KVPAGER_ADMIN_TOKEN_FILE"] == "/run/secrets/admin_token", name
+    gateway = own["services"]["gateway"]
+    assert gateway["environment"]["KVPAGER_AUTH_TOKEN_FILE"] == "/run/secrets/auth_token"
+    assert _secret_names(gateway) == {"admin_token", "auth_token"}
+
+
+def test_tls_override_keeps_the_health_checks_working(config):
+    tls = rendered(COMPOSE_FILE, TLS_FILE)
+    assert set(tls["secrets"]) == {"tls_cert", "tls_key", "tls_ca"}
+    for name in KVPAGER:
+        s = tls["services"][name]
+        env = s["environment"]
+        assert _secret_names(s) == {"tls_cert", "tls_key", "tls_ca"}, name
+        assert env["KVPAGER_TLS_CERT"] == "/run/secrets/tls_cert" and env["KVPAGER_TLS_CA"] == "/run/secrets/tls_ca"
+        assert str(env["KVPAGER_TLS_REQUIRE_CLIENT_AUTH"]) == "1"
+        assert env["KVPAGER_TLS_CLIENT_CERT"] and env["KVPAGER_TLS_CLIENT_KEY"], name  # the health check's mTLS
+        assert s["healthcheck"]["test"] == ["CMD", "python", "-m", "kvpager_tools.health"], name
 
 
 # --- the observability profile ------------------------------------------------------------

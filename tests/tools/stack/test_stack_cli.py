@@ -12,7 +12,8 @@ import time
 import pytest
 
 from kvpager_tools.cli import build_parser
-from kvpager_tools.stack import Stack, StackConfig, StackError, build_children, config_from_args
+from kvpager_tools.stack import Stack, StackConfig, StackError, build_children
+from kvpager_tools.up import config_from_args
 
 PY = "PY"  # stands in for sys.executable in the expected command lines
 
@@ -45,8 +46,8 @@ def test_up_two_executors_exact_command_lines():
     assert children[3].argv == [PY, "-m", "gateway", "--host", "127.0.0.1", "--port", "50050",
                                 "--metrics-port", "9101", "--memory-address", "127.0.0.1:50051",
                                 "--model", "/models/m", "--http-port", "8000", "--redis-url", "redis://cache:6379/0",
-                                "--log-level", "INFO", "--policy", "priority", "--max-batch-tokens", "512",
-                                "--max-running", "64", "--max-waiting", "1024"]
+                                "--grace-s", "30", "--log-level", "INFO", "--policy", "priority",
+                                "--max-batch-tokens", "512", "--max-running", "64", "--max-waiting", "1024"]
     assert [c.address for c in children] == ["127.0.0.1:50051", "127.0.0.1:50060", "127.0.0.1:50061",
                                              "127.0.0.1:50050"]
     assert [c.metrics_port for c in children] == [9100, 9102, 9103, 9101]
@@ -219,7 +220,7 @@ def test_stack_end_to_end_demo_model(tmp_path, monkeypatch):
 
         from rich.console import Console
 
-        from kvpager_tools.stack import _print_ready
+        from kvpager_tools.up import _print_ready
 
         out = io.StringIO()
         _print_ready(stack, Console(file=out, width=200))

@@ -1,0 +1,193 @@
+"""Streams that outlive a memory-service restart (gateway/recovery.py): the
+services in this process, the memory service stopped and a fresh one started
+on the same port (cold: no mirror). The streams pause and go on with exactly
+the tokens of an undisturbed run; the bounds (--max-retries, the recovery
+timeout) end them UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+import pytest_asyncio
+from gateway_harness import start_stack
+
+from gateway.sequences import SequenceTable
+from gateway.state import Request
+from gateway.params import SamplingSpec
+from kvpager.v1 import common_pb2, gateway_pb2
+from kvpager_tools.generate import stream_generate
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROMPTS = [list(range(100 + 7 * i, 130 + 7 * i)) for i in range(4)]
+MAX_TOKENS = 48
+
+
+def _request(prompt, i: int) -> gateway_pb2.GenerateRequest:
+    """Even ones greedy (the third with penalties: the executor's token history
+    must be rebuilt), odd ones seeded sampling (n=2 for the last)."""
+    sp = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    if i % 2:
+        sp.temperature, sp.top_p, sp.seed = 1.0, 0.9, 1234 + i
+        if i == 3:
+            sp.n = 2
+    elif i == 2:
+        sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty = 1.3, 0.4, 0.2
+    return gateway_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=sp)
+
+
+async def _restart_memory(stack, down_s: float = 0.3, stop: bool = True) -> None:
+    """Stop the memory service (no grace: a crash, as far as its peers go) and start a cold one on its port."""
+    from memory_service.service import MemoryServer
+
+    old = stack.memory
+    port = int(old.address.rsplit(":", 1)[1])
+    if stop:
+        await old.stop(0)
+    await asyncio.sleep(down_s)
+    stack.memory = await MemoryServer(dataclasses.replace(old.config, port=port)).start()
+
+
+def _readmitted() -> float:
+    from gateway.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value("kvpager_gateway_sequences_readmitted_total") or 0.0
+
+
+async def _streams(stack, started: int):
+    """Start the streams; returns their tasks once every one has ``started`` tokens."""
+    counts = [0] * len(PROMPTS)
+    ready = asyncio.Event()
+
+    def on_chunk(i):
+        def seen(resp, _c):
+            counts[i] += len(resp.token_ids)
+            if all(c >= started for c in counts):
+                ready.set()
+        return seen
+
+    tasks = [asyncio.ensure_future(stream_generate(stack.gw, _request(p, i), timeout_s=120, raise_errors=False,
+                                                   on_chunk=on_chunk(i))) for i, p in enumerate(PROMPTS)]
+    await asyncio.wait_for(ready.wait(), 60)
+    return tasks
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stack(model):
+    # A long lease: the executor's next heartbeat (lease / 3 = 20 s) would come long after
+    # the gateway registered it again with a fresh memory service.
+    s = await start_stack(model, executors=1, num_blocks=128, block_size=4, memory_kw={"lease_s": 60.0}, http={})
+    yield s
+    await s.stop()
+
+
+@pytest.fixture
+def recovery_config(stack):
+    """The gateway's bounds, changed by a test and restored after it."""
+    engine = stack.gateway.engine
+    saved = engine.recovery.config
+    engine.recovery.config = dataclasses.replace(saved)
+    yield engine.recovery.config
+    engine.recovery.config = saved
+
+
+async def test_streams_continue_token_exact_across_a_cold_memory_restart(stack):
+    refs = [await stream_generate(stack.gw, _request(p, i), timeout_s=120) for i, p in enumerate(PROMPTS)]
+    before = _readmitted()
+    tasks = await _streams(stack, 4)
+    t_kill = time.perf_counter()
+    await _restart_memory(stack)
+    outs = await asyncio.gather(*tasks)
+    for ref, out in zip(refs, outs):
+        assert out.status == "OK", (out.status, out.details)
+        assert out.tokens == ref.tokens
+        assert all(len(t) == MAX_TOKENS for t in out.tokens.values())
+    gaps = [b - a for o in outs for c in o.completions.values()
+            for a, b in zip(c.chunk_times, c.chunk_times[1:]) if b > t_kill]
+    assert gaps and max(gaps) < 10, gaps  # paused, then went on (before the executor's own heartbeat)
+    # 4 requests, the last with n=2: every sequence at least once (twice when a listing read
+    # before the executor was registered again arrived after their re-admission)
+    assert _readmitted() - before in (5, 10)
+    assert stack.gateway.engine.recovery.pending is False
+    await stack.wait_idle()
+    assert (await stack.accounting()).num_sequences == 0
+
+
+async def test_an_http_stream_continues_across_a_memory_restart(stack):
+    """The OpenAI API streams through the same engine: the real ``openai``
+    client sees a pause, then the text of the undisturbed run."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=stack.gateway.http_url + "/v1", api_key="none", max_retries=0)
+    name = stack.gateway.http_context.served_model_name
+    kw = dict(model=name, prompt="The scientist said", max_tokens=64, temperature=0.9, seed=99, stream=True,
+              extra_body={"ignore_eos": True})
+    want = "".join([c.choices[0].text async for c in await client.completions.create(**kw)])
+    before = _readmitted()
+    stream = await client.completions.create(**kw)
+    got, restarted = [], None
+    async for chunk in stream:
+        got.append(chunk.choices[0].text)
+        if restarted is None and len(got) >= 4:
+            restarted = asyncio.ensure_future(_restart_memory(stack))
+    await restarted
+    assert "".join(got) == want
+    assert chunk.choices[0].finish_reason == "length"
+    assert _readmitted() - before in (1, 2)  # it was mid-stream when the memory service went (see above)
+    await stack.wait_idle()
+
+
+async def test_max_retries_zero_ends_the_streams_unavailable(stack, recovery_config):
+    recovery_config.max_retries = 0
+    tasks = await _streams(stack, 2)
+    await _restart_memory(stack)
+    outs = await asyncio.gather(*tasks)
+    assert {o.status for o in outs} == {"UNAVAILABLE"}
+    assert all("--max-retries" in o.details for o in outs), [o.details for o in outs]
+    out = await stream_generate(stack.gw, _request(PROMPTS[0], 0), timeout_s=60)  # and it serves on
+    assert len(out.first) == MAX_TOKENS
+    await stack.wait_idle()
+
+
+async def test_a_memory_service_that_stays_down_ends_the_streams_after_the_timeout(stack, recovery_config):
+    recovery_config.timeout_s = 1.5
+    tasks = await _streams(stack, 2)
+    t0 = time.monotonic()
+    await stack.memory.stop(0)
+    try:
+        outs = await asyncio.gather(*tasks)
+        took = time.monotonic() - t0
+        assert {o.status for o in outs} == {"UNAVAILABLE"}
+        assert all("--recovery-timeout-s" in o.details for o in outs), [o.details for o in outs]
+        assert 1.5 <= took < 8, took
+        assert not stack.gateway.engine.seqs and not stack.gateway.engine.recovery.pending
+    finally:
+        await _restart_memory(stack, 0, stop=False)  # stopped already: a fresh one
+    out = await stream_generate(stack.gw, _request(PROMPTS[1], 1), timeout_s=60)  # and it serves on
+    assert out.status == "OK"
+    await stack.wait_idle()
+
+
+async def test_readmit_gives_new_ids_and_drops_the_changes_naming_the_old_ones():
+    table = SequenceTable()
+    req = Request("r", [1, 2, 3], SamplingSpec(max_tokens=8), seed=0)
+    parent = table.start(req, None)
+    parent.created = True
+    other = table.start(Request("o", [4], SamplingSpec(max_tokens=8), seed=0), None)
+    other.created = True
+    table.append(parent, 7)
+    table.append(other, 8)
+    (child,) = table.fork(parent, [None])
+    table.changes.free.append(other.seq_id)
+    old_parent, old_child = parent.seq_id, child.seq_id
+    assert table.readmit([parent, child], "e1") == [old_parent, old_child]
+    assert old_parent not in table and old_child not in table
+    assert table.get(parent.seq_id) is parent and table.get(child.seq_id) is child
+    assert parent.seq_id > other.seq_id and child.seq_id > parent.seq_id
+    for s in (parent, child):
+        assert (s.executor_id, s.num_computed, s.created, s.placeholders, s.tokens) == ("e1", 0, False, 0, [1, 2, 3, 7])
+    assert table.changes.forks == [] and list(table.changes.appends) == [other.seq_id]
+    assert table.changes.free == [other.seq_id]
