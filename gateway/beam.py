@@ -42,6 +42,12 @@ class BeamState:
     # candidates gathered this step: seq_id -> [(token, logprob)]
     pending: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
+    def forget(self, seq_ids: list[int]) -> None:
+        """Drop the candidates gathered under ``seq_ids``: their beams were
+        rewound (gateway/recovery.py) and compute them again under new ids."""
+        for seq_id in seq_ids:
+            self.pending.pop(seq_id, None)
+
 
 class SequenceOps(Protocol):
     """What beam search (and parallel sampling) may do with sequences: the

@@ -20,8 +20,18 @@ and so does one that waits longer than ``timeout_s`` for a memory service
 with no executor of their model left end UNAVAILABLE at once; those of an
 executor that only left the registry (the memory service restarted, or the
 executor re-registered under a new incarnation) wait for it, up to
-``timeout_s``. Beam search is not resumed (its state spans the beams and a
-step's candidates): its requests end UNAVAILABLE as before.
+``timeout_s``.
+
+Beam search resumes the same way: every running beam is rewound (new id,
+its prompt and generated tokens as the prompt) while the search's state
+(scores, finished hypotheses, the early-stop flag: ``BeamState``) stays
+here. Candidates a beam gathered under its old id are dropped
+(``BeamState.forget``): its recompute yields the candidates for the same
+next position, so each beam's are taken exactly once and the search goes on
+as undisturbed. Forks sent in the lost step (the children were confirmed
+here as they were made) are rewound with the rest, their old ids freed like
+the others'. A fork inherits its parent's ``retries``, so ``max_retries``
+bounds a beam request whatever it prunes and forks.
 
 The ids a rewound sequence had are freed at the memory service off the loop
 (best effort, bounded by ``timeout_s``: a restarted service does not know
@@ -211,9 +221,7 @@ class Recovery:
 
     def _refusal(self, req: Request, seqs: list[Seq]) -> KvpagerError | None | bool:
         """False: ``req`` may go on; else the error it ends with (None: the
-        loss's own, as without recovery: beam search is not resumed)."""
-        if req.spec.beam_width > 1:
-            return None
+        loss's own, as without recovery)."""
         if any(s.retries >= self.config.max_retries for s in seqs if s.created):
             return Unavailable(failures.RETRIES_EXHAUSTED, retry_after_s=1.0)
         return False
@@ -223,7 +231,10 @@ class Recovery:
         for s in lost:
             s.retries += 1
         metrics.SEQUENCES_READMITTED.inc(len(lost))
-        return self.sequences.readmit(seqs, executor_id)
+        old = self.sequences.readmit(seqs, executor_id)
+        for req in {s.request for s in seqs if s.request.beam is not None}:
+            req.beam.forget(old)  # their recompute gathers these candidates again
+        return old
 
     def _target(self, model: ModelKey | None) -> ExecutorClient | None:
         alive = [ex for ex in self.executors.values() if ex.alive and (model is None or model_key(ex) == model)]

@@ -61,12 +61,13 @@ class SequenceTable:
 
     def fork(self, parent: Seq, completions: list[Completion | None], *, sampled_first: bool = False) -> list[Seq]:
         """Children sharing every block of ``parent`` (copy-on-write at the memory
-        service), one per completion given, with the parent's tokens and progress."""
+        service), one per completion given, with the parent's tokens and progress
+        (and its rewinds: ``max_retries`` bounds a lineage, gateway/recovery.py)."""
         children = []
         for comp in completions:
             child = Seq(next(self._ids), parent.request, comp, list(parent.tokens), parent.executor_id,
                         num_computed=parent.num_computed, status=SeqStatus.RUNNING, created=True,
-                        sampled_first=sampled_first)
+                        sampled_first=sampled_first, retries=parent.retries)
             self.seqs[child.seq_id] = child
             children.append(child)
         if children:

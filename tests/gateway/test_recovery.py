@@ -14,6 +14,8 @@ import pytest
 import pytest_asyncio
 from gateway_harness import start_stack
 
+from gateway.beam import Beam, BeamSearch, BeamState
+from gateway.recovery import Recovery, RecoveryConfig
 from gateway.sequences import SequenceTable
 from gateway.state import Request
 from gateway.params import SamplingSpec
@@ -191,3 +193,85 @@ async def test_readmit_gives_new_ids_and_drops_the_changes_naming_the_old_ones()
         assert (s.executor_id, s.num_computed, s.created, s.placeholders, s.tokens) == ("e1", 0, False, 0, [1, 2, 3, 7])
     assert table.changes.forks == [] and list(table.changes.appends) == [other.seq_id]
     assert table.changes.free == [other.seq_id]
+
+
+def _beam_request(prompt) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=common_pb2.SamplingParams(
+        max_tokens=BEAM_TOKENS, beam_width=3))
+
+
+BEAM_TOKENS = 24
+
+
+async def _beams_at(stack, generated: int) -> None:
+    """Wait until the one beam request in flight has ``generated`` tokens in its beams."""
+    for _ in range(20000):
+        reqs = [r for r in stack.gateway.engine.requests.values() if r.beam is not None]
+        if reqs and reqs[0].beam.running and len(reqs[0].beam.running[0].generated) >= generated:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the beam request never got that far")
+
+
+async def test_beam_search_resumes_token_exact_across_a_cold_memory_restart(stack, oracle):
+    """Every running beam is rewound; scores, finished hypotheses and the
+    early-stop flag stay in the gateway: the result is transformers' beam search."""
+    prompt = [11, 23, 35, 47, 59, 61, 73]
+    ref = await stream_generate(stack.gw, _beam_request(prompt), timeout_s=120)
+    assert ref.first == oracle.beams(prompt, BEAM_TOKENS, 3)
+    before = _readmitted()
+    task = asyncio.ensure_future(stream_generate(stack.gw, _beam_request(prompt), timeout_s=120,
+                                                 raise_errors=False))
+    await _beams_at(stack, 4)
+    await _restart_memory(stack)
+    out = await task
+    assert out.status == "OK", (out.status, out.details)
+    assert out.tokens == ref.tokens
+    assert _readmitted() - before >= 3  # every beam (more when a stale listing came after them, see above)
+    assert stack.gateway.engine.recovery.pending is False
+    await stack.wait_idle()
+    assert (await stack.accounting()).num_sequences == 0
+
+
+async def test_max_retries_bounds_a_beam_search(stack, recovery_config):
+    recovery_config.max_retries = 0
+    task = asyncio.ensure_future(stream_generate(stack.gw, _beam_request([5, 9, 13, 17]), timeout_s=120,
+                                                 raise_errors=False))
+    await _beams_at(stack, 3)
+    await _restart_memory(stack)
+    out = await task
+    assert out.status == "UNAVAILABLE" and "--max-retries" in out.details, (out.status, out.details)
+    again = await stream_generate(stack.gw, _beam_request([5, 9, 13, 17]), timeout_s=60)  # and it serves on
+    assert again.status == "OK" and len(again.tokens) == 1
+    await stack.wait_idle()
+    assert (await stack.accounting()).num_sequences == 0
+
+
+async def test_a_rewound_beam_search_keeps_its_state_and_drops_the_lost_steps_candidates():
+    """A step half gathered (one beam preempted) when the loss came: the
+    candidates under the old ids go, so the search waits for every rewound
+    beam's recompute and takes each beam's candidates once."""
+    table = SequenceTable()
+    req = Request("b", [1, 2, 3], SamplingSpec(max_tokens=8, beam_width=2), seed=0)
+    first = table.start(req, None)
+    first.created, first.retries = True, 1
+    (second,) = table.fork(first, [None])
+    assert second.retries == 1  # a fork inherits its parent's rewinds: --max-retries bounds the lineage
+    table.append(first, 7)
+    table.append(second, 8)
+    state = BeamState(2, 4, 3, 11, running=[Beam(first, -1.0, [7]), Beam(second, -2.0, [8])],
+                      finished=[(-3.0, [9])], heuristic_unsatisfied=True)
+    req.beam = state
+    search = BeamSearch(ops=None)  # only ever waits here: the ops are never reached
+    search.candidates(first, [5, 6], [-0.1, -0.2])
+    search.finish_step()
+    old = [first.seq_id, second.seq_id]
+    assert list(state.pending) == old[:1]
+    assert Recovery(RecoveryConfig(), table, None, None, None)._rewind([first, second], "e1") == old
+    assert state.pending == {} and {first.seq_id, second.seq_id}.isdisjoint(old)
+    assert [(b.seq, b.score, b.generated) for b in state.running] == [(first, -1.0, [7]), (second, -2.0, [8])]
+    assert state.finished == [(-3.0, [9])] and (first.tokens, second.tokens) == ([1, 2, 3, 7], [1, 2, 3, 8])
+    assert (first.retries, second.retries) == (2, 2)
+    search.candidates(first, [5, 6], [-0.1, -0.2])  # the recompute of one beam: still waiting for the other
+    search.finish_step()
+    assert list(state.pending) == [first.seq_id]
