@@ -15,10 +15,10 @@ import pytest_asyncio
 from gateway_harness import start_stack
 
 from gateway.beam import Beam, BeamSearch, BeamState
+from gateway.params import SamplingSpec
 from gateway.recovery import Recovery, RecoveryConfig
 from gateway.sequences import SequenceTable
 from gateway.state import Request
-from gateway.params import SamplingSpec
 from kvpager.v1 import common_pb2, gateway_pb2
 from kvpager_tools.generate import stream_generate
 
