@@ -1,7 +1,8 @@
 """Streams that outlive a memory-service restart (gateway/recovery.py): the
 services in this process, the memory service stopped and a fresh one started
 on the same port (cold: no mirror). The streams pause and go on with exactly
-the tokens of an undisturbed run; the bounds (--max-retries, the recovery
+the tokens of an undisturbed run (beam searches too, also across a restart
+rebuilt from Redis); the bounds (--max-retries, the recovery
 timeout) end them UNAVAILABLE."""
 
 from __future__ import annotations
@@ -275,3 +276,30 @@ async def test_a_rewound_beam_search_keeps_its_state_and_drops_the_lost_steps_ca
     search.candidates(first, [5, 6], [-0.1, -0.2])  # the recompute of one beam: still waiting for the other
     search.finish_step()
     assert list(state.pending) == [first.seq_id]
+
+
+async def test_beam_search_resumes_across_a_restart_rebuilt_from_redis(model, oracle):
+    """The restarted memory service rebuilds its prefix cache from the mirror:
+    the rewound beams hit it, and the result is still the undisturbed one."""
+    from kvpager_tools.redis_server import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server not installed")
+    redis = RedisServer().start()
+    mirrored = await start_stack(model, executors=1, num_blocks=128, block_size=4, memory_kw={"lease_s": 60.0},
+                                 redis_url=redis.url)
+    try:
+        prompt = [31, 41, 59, 26, 53, 58, 97, 93]
+        before = _readmitted()
+        task = asyncio.ensure_future(stream_generate(mirrored.gw, _beam_request(prompt), timeout_s=120,
+                                                     raise_errors=False))
+        await _beams_at(mirrored, 4)
+        await _restart_memory(mirrored)
+        out = await task
+        assert out.status == "OK", (out.status, out.details)
+        assert out.first == oracle.beams(prompt, BEAM_TOKENS, 3)
+        assert _readmitted() - before >= 3
+        await mirrored.wait_idle()
+    finally:
+        await mirrored.stop()
+        redis.close()
