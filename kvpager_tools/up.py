@@ -19,19 +19,34 @@ GATEWAY_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--routing", str, "prefix | round-robin"),
     ("--max-prompt-tokens", int, "longest prompt accepted, in tokens"),
     ("--step-timeout-s", float, "deadline of each internal Step and Execute call"),
+    ("--tenants", str, "token -> tenant map file (docs/security.md, Tenants)"),
+    ("--prefix-sharing", str, "isolated (default) | shared: prefix caching across tenants"),
 )
+
+# Memory-service policy flags `kvpager up` forwards when given, the same way.
+MEMORY_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--preemption-mode", str, "cost (default) | threshold | recompute | swap"),
+    ("--swap-min-tokens", int, "the threshold mode's rule: swap sequences at least this long"),
+    ("--victim-policy", str, "newest (default) | least-lost-work"),
+    ("--tenant-max-blocks", float, "per-tenant quota per pool: a fraction (< 1) or a block count; 0 = none"),
+    ("--tenant-max-pinned-blocks", float, "per-tenant budget of retention pins: a fraction or a count"),
+)
+
+
+def _given(args: argparse.Namespace, flags: tuple[tuple[str, type, str], ...]) -> list[str]:
+    out: list[str] = []
+    for flag, _kind, _help in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            out += [flag, str(value)]
+    return out
 
 
 def gateway_flags(args: argparse.Namespace) -> list[str]:
     """The forwarded gateway flags that were given, then --gateway-args."""
     import shlex
 
-    out: list[str] = []
-    for flag, _kind, _help in GATEWAY_FLAGS:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-        if value is not None:
-            out += [flag, str(value)]
-    return out + shlex.split(args.gateway_args)
+    return _given(args, GATEWAY_FLAGS) + shlex.split(args.gateway_args)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,6 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("passed to the gateway as they are (kvpager gateway --help)")
     for flag, kind, help_text in GATEWAY_FLAGS:
         g.add_argument(flag, type=kind, default=None, help=help_text)
+    m = p.add_argument_group("passed to the memory service as they are (kvpager memory --help)")
+    for flag, kind, help_text in MEMORY_FLAGS:
+        m.add_argument(flag, type=kind, default=None, help=help_text)
     p.add_argument("--demo", action="store_true",
                    help="run a short streaming demo against the stack, show block accounting, then stop "
                         f"(pool of {DEMO_NUM_BLOCKS} blocks unless sized)")
@@ -111,7 +129,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         model_impl=args.model_impl, log_dir=args.log_dir,
         log_level=args.log_level, ready_timeout_s=args.ready_timeout_s, grace_s=args.grace_s,
         drain_timeout_s=args.drain_timeout_s, generate_admin_token=not args.no_admin_token,
-        extra_args={"gateway": scheduling_argv(args) + gateway_flags(args)},
+        extra_args={"gateway": scheduling_argv(args) + gateway_flags(args),
+                    **({"memory": flags} if (flags := _given(args, MEMORY_FLAGS)) else {})},
         security=security if security.enabled or security.open_read_only or security.read_only_token else None)
 
 

@@ -261,3 +261,28 @@ def test_cpu_executors_split_the_cores(monkeypatch):
     assert all(("OMP_NUM_THREADS" in c.env) == (c.role == "executor") for c in children)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
     assert cpu_executor_env(cfg, cores=16) == {}
+
+
+def test_up_passes_tenant_and_memory_policy_flags_when_given():
+    children = children_for("--tenants", "/etc/kvpager/tenants.json", "--prefix-sharing", "shared",
+                            "--preemption-mode", "swap", "--victim-policy", "least-lost-work",
+                            "--tenant-max-blocks", "0.5", "--tenant-max-pinned-blocks", "16")
+    memory, gateway = children[0].argv, children[-1].argv
+    assert gateway[gateway.index("--tenants"):][:4] == ["--tenants", "/etc/kvpager/tenants.json",
+                                                         "--prefix-sharing", "shared"]
+    assert memory[memory.index("--preemption-mode"):] == [
+        "--preemption-mode", "swap", "--victim-policy", "least-lost-work", "--tenant-max-blocks", "0.5",
+        "--tenant-max-pinned-blocks", "16.0"]
+    # not given: the services' own defaults apply, nothing is passed
+    plain = children_for()
+    assert "--preemption-mode" not in plain[0].argv and "--tenants" not in plain[-1].argv
+    # every forwarded flag is one the service's own parser takes
+    import argparse
+
+    from gateway.cli import add_arguments as gateway_arguments
+    from memory_service.cli import add_arguments as memory_arguments
+
+    for add, argv in ((memory_arguments, memory), (gateway_arguments, gateway)):
+        p = argparse.ArgumentParser()
+        add(p)
+        p.parse_args(argv[argv.index("-m") + 2:])
