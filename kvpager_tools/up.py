@@ -94,6 +94,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     m = p.add_argument_group("passed to the memory service as they are (kvpager memory --help)")
     for flag, kind, help_text in MEMORY_FLAGS:
         m.add_argument(flag, type=kind, default=None, help=help_text)
+    # A wrong choice is refused here, not by a child restarted over and over.
+    from memory_service.policy import MODE_POLICIES, VICTIM_POLICIES
+
+    for dest, choices in (("prefix_sharing", ("isolated", "shared")), ("preemption_mode", MODE_POLICIES),
+                          ("victim_policy", sorted(VICTIM_POLICIES))):
+        next(a for a in p._actions if a.dest == dest).choices = choices
     p.add_argument("--demo", action="store_true",
                    help="run a short streaming demo against the stack, show block accounting, then stop "
                         f"(pool of {DEMO_NUM_BLOCKS} blocks unless sized)")

@@ -286,3 +286,9 @@ def test_up_passes_tenant_and_memory_policy_flags_when_given():
         p = argparse.ArgumentParser()
         add(p)
         p.parse_args(argv[argv.index("-m") + 2:])
+
+
+def test_up_refuses_a_policy_flag_the_service_would_refuse(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("up", "--preemption-mode", "sometimes")
+    assert e.value.code == 2 and "--preemption-mode" in capsys.readouterr().err
