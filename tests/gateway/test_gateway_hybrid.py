@@ -9,17 +9,16 @@ back what the window passed (GetAccounting's per-group figures)."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 from gateway_harness import generate, start_stack
 from oracle import Oracle
+from sliding_cases import WINDOW, check_long_prompts_exact, prompts
 
 from kvpager.v1 import memory_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-WINDOW = 32
 BS = 4
 BOUND = -(-WINDOW // BS) + 1  # the most blocks a sequence holds in a sliding group between decode steps
 # alternating local / global layers, sliding above max_window_layers (2 groups each), all sliding (1 group)
@@ -34,11 +33,6 @@ def family(request, tmp_path_factory):
     path = str(build_demo_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param,
                                 vocab_size=320, max_position_embeddings=256, sliding_window=WINDOW, seed=9))
     return request.param, path, Oracle(path, fixed_length=True)
-
-
-def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 300) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
 async def _executor_accounting(stack):
@@ -56,7 +50,7 @@ async def test_window_frees_chunked_prefix_hit_and_n2(family):
         assert groups == ([WINDOW] if name == "mistral" else [0, WINDOW]), groups
         # One sequence of 4x the window, prefilled in 48-token chunks, then decoding: each sliding
         # group holds at most ceil(W / block_size) + 1 of its blocks, a full group all of them.
-        prompt = _prompts(1, 4 * WINDOW, 4 * WINDOW + 1, seed=3)[0]
+        prompt = prompts(1, 4 * WINDOW, 4 * WINDOW + 1, seed=3)[0]
         task = asyncio.ensure_future(generate(stack.gw, prompt, max_tokens=40, ignore_eos=True))
         seen = []
         while not task.done():
@@ -77,18 +71,9 @@ async def test_window_frees_chunked_prefix_hit_and_n2(family):
                     assert g.window_saved_blocks == full_blocks - g.logical_blocks >= full_blocks - BOUND
                 else:
                     assert g.max_seq_blocks == g.logical_blocks == full_blocks
-        # Concurrent long prompts (3-4x the window), exact.
-        prompts = _prompts(3, 3 * WINDOW, 4 * WINDOW, seed=1)
-        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=40, ignore_eos=True) for p in prompts))
-        for p, res in zip(prompts, results):
-            assert res[0][0] == oracle.greedy(p, 40)
-        # The same 96-token prefix again: a hit in every group (the sliding ones hold its last window).
-        again = prompts[0][: 3 * WINDOW] + [11, 12, 13]
-        res = await generate(stack.gw, again, max_tokens=40, ignore_eos=True)
-        assert res[0][0] == oracle.greedy(again, 40)
-        assert res[0][3].cached_prompt_tokens == 3 * WINDOW
-        res = await generate(stack.gw, prompts[1], max_tokens=40, n=2, ignore_eos=True)
-        assert res[0][0] == res[1][0] == oracle.greedy(prompts[1], 40)
+        # Concurrent long prompts (3-4x the window), a prefix hit in every group (the sliding
+        # ones hold its last window), n=2: exact.
+        await check_long_prompts_exact(stack, oracle)
         t = await stack.wait_idle()
         assert t.used_blocks == 0
     finally:
@@ -102,9 +87,9 @@ async def test_preemption_keeps_grouped_outputs_exact(family, mode, swap_min_tok
     stack = await start_stack(model, num_blocks=28 if name == "mistral" else 48, block_size=BS, swap_blocks=160,
                               swap_min_tokens=swap_min_tokens, max_batch_tokens=64, executor_kw=HYBRID)
     try:
-        prompts = _prompts(4, 2 * WINDOW, 3 * WINDOW, seed=2)
-        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=40, ignore_eos=True) for p in prompts))
-        for p, res in zip(prompts, results):
+        batch = prompts(4, 2 * WINDOW, 3 * WINDOW, seed=2)
+        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=40, ignore_eos=True) for p in batch))
+        for p, res in zip(batch, results):
             assert res[0][0] == oracle.greedy(p, 40)
         t = await stack.wait_idle()
         assert getattr(t, f"preemptions_{mode}") > 0, t

@@ -10,15 +10,14 @@ KV group, is tests/gateway/test_gateway_hybrid.py."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 from gateway_harness import generate, start_stack
 from oracle import Oracle
+from sliding_cases import WINDOW, check_long_prompts_exact, prompts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-WINDOW = 32
 PER_LAYER = {"kv_layout": "per-layer"}
 FAMILIES = {"mistral": {}, "gemma2": {"num_layers": 3}}
 
@@ -33,28 +32,13 @@ def family(request, tmp_path_factory):
     return path, Oracle(path, fixed_length=True)  # EOS is argmax sometimes: ignore_eos keeps it, so must the oracle
 
 
-def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 300) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
 async def test_long_prompts_chunked_prefix_hit_and_n2(family):
     model, oracle = family
     stack = await start_stack(model, num_blocks=160, block_size=4, max_batch_tokens=48,  # 100 tokens: 3 chunks
                               executor_kw=PER_LAYER)
     try:
         assert stack.gateway.engine.executors.limits.max_model_len == 256  # the model's, not the window
-        prompts = _prompts(3, 3 * WINDOW, 4 * WINDOW, seed=1)
-        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=40, ignore_eos=True) for p in prompts))
-        for p, res in zip(prompts, results):
-            assert res[0][0] == oracle.greedy(p, 40)
-        # The same 96-token prefix again: a prefix hit, still exact.
-        again = prompts[0][: 3 * WINDOW] + [11, 12, 13]
-        res = await generate(stack.gw, again, max_tokens=40, ignore_eos=True)
-        assert res[0][0] == oracle.greedy(again, 40)
-        assert res[0][3].cached_prompt_tokens == 3 * WINDOW
-        res = await generate(stack.gw, prompts[1], max_tokens=40, n=2, ignore_eos=True)
-        assert res[0][0] == res[1][0] == oracle.greedy(prompts[1], 40)
+        await check_long_prompts_exact(stack, oracle)
         await stack.wait_idle()
     finally:
         await stack.stop()
@@ -67,9 +51,9 @@ async def test_preemption_keeps_sliding_outputs_exact(family, mode, swap_min_tok
     stack = await start_stack(model, num_blocks=48, block_size=4, swap_blocks=160, swap_min_tokens=swap_min_tokens,
                               max_batch_tokens=64, executor_kw=PER_LAYER)
     try:
-        prompts = _prompts(4, 2 * WINDOW, 3 * WINDOW, seed=2)
-        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=40, ignore_eos=True) for p in prompts))
-        for p, res in zip(prompts, results):
+        batch = prompts(4, 2 * WINDOW, 3 * WINDOW, seed=2)
+        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=40, ignore_eos=True) for p in batch))
+        for p, res in zip(batch, results):
             assert res[0][0] == oracle.greedy(p, 40)
         t = await stack.wait_idle()
         assert getattr(t, f"preemptions_{mode}") > 0, t
