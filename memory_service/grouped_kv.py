@@ -100,13 +100,7 @@ class GroupedExecutorKV(ExecutorKV):
         hit, k = got
         self._sync(seq, gs)
         seq.status = SeqStatus.RUNNING
-        c = self.counters
-        if count_hits:
-            c.prefix_query_tokens += seq.num_tokens
-            c.prefix_hit_tokens += hit
-        else:
-            c.recompute_query_tokens += seq.num_tokens
-            c.recompute_hit_tokens += hit
+        self.counters.count_lookup(seq.num_tokens, hit, first=count_hits)
         self._start(seq, hit, hit if count_hits else 0)
         return hit, k
 

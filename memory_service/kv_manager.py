@@ -64,6 +64,15 @@ class Counters:
     preempt_cost_s: float = 0.0        # the chosen modes' estimated seconds (where measured)
     preempt_saved_s: float = 0.0       # the other modes' seconds minus the chosen ones' (both measured)
 
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int, first: bool) -> None:
+        """An admission's prefix lookup: a first prefill's, or a recompute's after preemption (apart)."""
+        if first:
+            self.prefix_query_tokens += num_tokens
+            self.prefix_hit_tokens += num_hit_tokens
+        else:
+            self.recompute_query_tokens += num_tokens
+            self.recompute_hit_tokens += num_hit_tokens
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -159,13 +168,7 @@ class ExecutorKV:
         seq.num_computed = num_hit_tokens
         seq.num_cached_blocks = len(hits)
         seq.status = SeqStatus.RUNNING
-        c = self.counters
-        if count_hits:
-            c.prefix_query_tokens += seq.num_tokens
-            c.prefix_hit_tokens += num_hit_tokens
-        else:
-            c.recompute_query_tokens += seq.num_tokens
-            c.recompute_hit_tokens += num_hit_tokens
+        self.counters.count_lookup(seq.num_tokens, num_hit_tokens, first=count_hits)
         self._start(seq, num_hit_tokens, num_hit_tokens if count_hits else 0)
         return num_hit_tokens, k
 
