@@ -5,8 +5,9 @@ On CPU, oneDNN with the weight reordered ("packed") into its blocked layout
 once at load time: for fp32 the same math as ``F.linear`` but faster on the
 small row counts of decode steps (the default MKL sgemm leaves most of an
 AVX-512 core idle there), for bf16 oneDNN's AVX512-BF16 / AMX kernels where
-the CPU has them (``packable``). On CUDA, where oneDNN is missing and for bf16
-on a CPU without bf16 instructions, plain ``F.linear``.
+the CPU has them (``packable``), and on a CPU without bf16 instructions a
+packed fp32 copy of a bf16 weight (``upcast_bf16``). On CUDA and where oneDNN
+is missing, plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -30,29 +31,60 @@ def packable(dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def upcast_bf16() -> bool:
+    """Whether bf16 matmuls on this CPU are better done in fp32: without bf16
+    instructions oneDNN cannot pack bf16, and ``F.linear`` on bf16 runs a
+    slow fallback (5-10x below the packed fp32 kernel, docs/benchmarks.md)."""
+    return onednn_available() and not packable(torch.bfloat16)
+
+
 class Linear:
     """``y = x @ weight.T + bias`` with the weight prepared at construction.
 
-    weight: [N, K]; bias: [N] or None. Calls take x: [..., K] -> [..., N]."""
+    weight: [N, K]; bias: [N] or None. Calls take x: [..., K] -> [..., N].
 
-    __slots__ = ("in_features", "out_features", "weight", "bias", "packed", "_call")
+    ``mode``: "packed" (oneDNN, the weight's dtype), "upcast" (a bf16 weight
+    on a CPU without bf16 instructions: kept as packed fp32, x upcast, the
+    output rounded to bf16 once: the same arithmetic as a bf16 GEMM with fp32
+    accumulation, at twice the weight memory) or "plain" (``F.linear``)."""
+
+    __slots__ = ("in_features", "out_features", "weight", "bias", "mode", "dtype", "_call")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool | None = None) -> None:
         self.out_features, self.in_features = weight.shape
-        self.bias = None if bias is None else bias.detach().contiguous()
-        if pack is None:
-            pack = weight.device.type == "cpu" and packable(weight.dtype)
-        self.packed = bool(pack)
-        if self.packed:
-            # Opaque oneDNN tensor: the plain weight is not kept (no second copy).
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-            self._call = self._onednn
+        self.dtype = weight.dtype
+        bias = None if bias is None else bias.detach().contiguous()
+        on_cpu = weight.device.type == "cpu"
+        if pack is False:
+            self.mode = "plain"
+        elif on_cpu and packable(weight.dtype):
+            self.mode = "packed"
+        elif on_cpu and weight.dtype == torch.bfloat16 and upcast_bf16():
+            self.mode = "upcast"
+        elif pack:
+            raise ValueError(f"cannot pack a {weight.dtype} weight on {weight.device} here")
         else:
-            self.weight = weight.detach().contiguous()
-            self._call = self._plain
+            self.mode = "plain"
+        if self.mode == "plain":
+            self.weight, self.bias, self._call = weight.detach().contiguous(), bias, self._plain
+            return
+        w = weight.detach().contiguous()
+        if self.mode == "upcast":
+            w, bias = w.float(), None if bias is None else bias.float()
+        # Opaque oneDNN tensor: the plain weight is not kept (no second copy).
+        self.weight, self.bias = torch.ops.mkldnn._reorder_linear_weight(w), bias
+        self._call = self._onednn if self.mode == "packed" else self._upcast
+
+    @property
+    def packed(self) -> bool:
+        return self.mode != "plain"
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
+    def _upcast(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), self.weight, self.bias, "none", [], "")
+        return y.to(self.dtype)
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from executor_service.attention import AttentionMetadata, plan_windows
-from executor_service.linear import Linear, onednn_available
+from executor_service.linear import Linear, onednn_available, packable, upcast_bf16
 
 if TYPE_CHECKING:
     from executor_service.attention import KernelBackend
@@ -33,11 +33,15 @@ class _PackedModule(torch.nn.Module):
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Swap every fp32 ``nn.Linear`` of ``model`` for a packed one (when torch
-    has oneDNN); returns how many were packed."""
+    has oneDNN), and every bf16 one where bf16 is packed or upcast on this CPU
+    (``executor_service.linear``); returns how many were swapped."""
     if not onednn_available():
         return 0
+    dtypes = {torch.float32}
+    if packable(torch.bfloat16) or upcast_bf16():
+        dtypes.add(torch.bfloat16)
     targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32]
+               if type(module) is torch.nn.Linear and module.weight.dtype in dtypes]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, _PackedModule(module))

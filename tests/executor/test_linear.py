@@ -5,7 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_service.linear import Linear, fused, packable
+from executor_service.linear import Linear, fused, packable, upcast_bf16
+
+
+def expected_mode(dtype):
+    if packable(dtype):
+        return "packed"
+    return "upcast" if dtype == torch.bfloat16 and upcast_bf16() else "plain"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -16,7 +22,8 @@ def test_linear_matches_f_linear(dtype, rows):
     b = torch.randn(48, generator=g).to(dtype)
     x = torch.randn(rows, 32, generator=g).to(dtype)
     lin = Linear(w, b)
-    assert lin.packed == packable(dtype)
+    assert lin.mode == expected_mode(dtype)
+    assert lin(x).dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(lin(x).float(), F.linear(x, w, b).float(), rtol=tol, atol=tol)
 
@@ -36,3 +43,27 @@ def test_fused_concatenates_outputs():
     x = torch.randn(3, 16)
     out = fused([w1, w2], [b1, None])(x)
     torch.testing.assert_close(out, torch.cat([F.linear(x, w1, b1), F.linear(x, w2)], dim=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_upcast_rounds_once_like_a_bf16_gemm():
+    # The fp32 product of bf16 inputs, rounded to bf16 once: what a bf16 GEMM with fp32 accumulation gives.
+    if not upcast_bf16():
+        pytest.skip("this CPU packs bf16 natively (no upcast path)")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 96, generator=g).bfloat16()
+    b = torch.randn(64, generator=g).bfloat16()
+    x = torch.randn(9, 96, generator=g).bfloat16()
+    lin = Linear(w, b)
+    assert lin.mode == "upcast"
+    ref = (x.double() @ w.double().T + b.double()).to(torch.bfloat16)
+    out = lin(x)
+    # accumulation order may move a value across a rounding boundary: at most one bf16 ulp
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+    assert (out == ref).float().mean() > 0.9
+
+
+def test_pack_refused_where_impossible():
+    if packable(torch.float16):
+        pytest.skip("fp16 packs here")
+    with pytest.raises(ValueError, match="cannot pack"):
+        Linear(torch.randn(4, 4).half(), pack=True)
