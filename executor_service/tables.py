@@ -7,7 +7,11 @@ live sequence, with its length in blocks and how many of its tokens are
 computed. A step is applied in two halves so that a bad plan changes
 nothing: ``resolve`` checks the changes and the rows against the tables as
 they would be after the changes and computes the step's slot mapping and
-padded tables, touching no state; ``commit`` then writes it.
+padded tables, touching no state; ``commit`` then writes it. Storage past
+a table's length holds 0 (the padding a resolved step's tables carry), and
+the last committed step's rows are kept so that a decode step repeating them
+(no table changes) costs a few gathers over its rows, independent of the
+context and without a Python look-up per sequence.
 
 Changes apply in this order: forks (a child's table and computed length
 are its parent's; a parent without a table gives a child without one),
