@@ -313,6 +313,13 @@ def check_step(step: StepInput, limits: PoolLimits) -> StepInput:
     return dataclasses.replace(step, sampling=sampling)
 
 
+def _writable(a: np.ndarray) -> np.ndarray:
+    """Contiguous and writable: a request column is a read-only view of its payload,
+    which torch must not share."""
+    a = np.ascontiguousarray(a)
+    return a if a.flags.writeable else a.copy()
+
+
 def sampled_rows(step: StepInput) -> np.ndarray:
     """Indices of sequences that need logits (they sample or want top logprobs)."""
     s = step.sampling
@@ -333,7 +340,7 @@ def build_forward_batch(step: StepInput, resolved: Resolved, device: torch.devic
     logits_indices = qsl[1:][sampled_rows(step)] - 1
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+        return torch.from_numpy(_writable(a)).to(device=device, dtype=dtype)
 
     groups = groups or [resolved]
     tables = [dev(r.tables, torch.int32) for r in groups]
@@ -362,7 +369,7 @@ def build_sampling_inputs(step: StepInput, resolved: Resolved, device: torch.dev
     rows = sampled_rows(step)
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+        return torch.from_numpy(_writable(a)).to(device=device, dtype=dtype)
 
     positions = resolved.context_lens + step.query_lens.astype(np.int64)
     inputs = SamplingInputs(
