@@ -39,27 +39,27 @@ def check_placeholders(step: StepInput) -> None:
 
 
 class LastSamples:
-    """The previous step's one-token samples, per sequence."""
+    """The previous step's one-token samples, per sequence (columnar: no per-row work)."""
 
     def __init__(self) -> None:
-        self.step_id = 0
-        self._tokens: dict[int, int] = {}
+        self.clear()
 
     def clear(self) -> None:
-        self.step_id, self._tokens = 0, {}
+        self.step_id = 0
+        self._seq_ids = np.zeros(0, np.int64)   # [k]: the rows that sampled one token
+        self._tokens = np.zeros(0, np.int32)    # [k]: the token each sampled
 
     def record(self, step: StepInput, out: StepOutput) -> None:
         num = step.sampling.num_samples
-        one = num == 1
         self.step_id = step.step_id
-        if not one.any():
-            self._tokens = {}
+        if len(num) == len(out.sampled_token_ids) and (num == 1).all():  # a decode: one token per row
+            self._seq_ids, self._tokens = step.seq_ids, out.sampled_token_ids
             return
         # sampled_token_ids holds sum(num_samples) tokens in row order: a one-token row's is at its offset.
         offsets = np.zeros(len(num) + 1, np.int64)
         np.cumsum(num, out=offsets[1:])
-        rows = np.nonzero(one)[0]
-        self._tokens = dict(zip(step.seq_ids[rows].tolist(), out.sampled_token_ids[offsets[rows]].tolist()))
+        rows = np.nonzero(num == 1)[0]
+        self._seq_ids, self._tokens = step.seq_ids[rows], out.sampled_token_ids[offsets[rows]]
 
     def fill(self, step: StepInput) -> StepInput:
         """The step with its placeholders replaced (checked: ``check_placeholders``)."""
@@ -72,11 +72,18 @@ class LastSamples:
         starts = np.zeros(len(step.query_lens) + 1, np.int64)
         np.cumsum(step.query_lens, out=starts[1:])
         row_of = np.searchsorted(starts, holes, side="right") - 1
+        wanted = step.seq_ids[row_of]
         tokens = step.token_ids.copy()
-        for pos, seq_id in zip(holes.tolist(), step.seq_ids[row_of].tolist()):
-            token = self._tokens.get(seq_id)
-            if token is None:
+        if np.array_equal(wanted, self._seq_ids):  # the same rows as the last step, in order
+            tokens[holes] = self._tokens
+        else:
+            order = np.argsort(self._seq_ids, kind="stable")
+            known = self._seq_ids[order]
+            at = np.minimum(np.searchsorted(known, wanted), max(len(known) - 1, 0))
+            found = known[at] == wanted if len(known) else np.zeros(len(wanted), bool)
+            if not found.all():
+                seq_id = int(wanted[np.argmin(found)])
                 raise FailedPrecondition(f"sequence {seq_id} sampled no single token in step {self.step_id}: "
                                          "nothing to fill its placeholder with")
-            tokens[pos] = token
+            tokens[holes] = self._tokens[order[at]]
         return dataclasses.replace(step, token_ids=tokens)

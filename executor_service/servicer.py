@@ -1,7 +1,7 @@
 """ExecutorService over gRPC: proto <-> domain, then delegate.
 
-Thin on purpose: packed bytes become numpy arrays (a malformed payload is
-INVALID_ARGUMENT via ``kvpager.packed``), the ``Executor`` validates and runs
+Thin on purpose: packed bytes become numpy views (a malformed payload is
+INVALID_ARGUMENT), the ``Executor`` validates and runs
 the step on a worker thread (the event loop stays free for health checks),
 and the result is packed back. Domain errors become status codes in
 ``kvpager.server``'s interceptor, never strings in a payload.
@@ -17,21 +17,29 @@ import numpy as np
 from executor_service.executor import Executor
 from executor_service.step import CacheOps, Sampling, StepInput, StepOutput
 from executor_service.tables import TableChanges
-from kvpager import packed
-from kvpager.errors import FailedPrecondition, Unavailable
+from kvpager.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvpager.v1 import common_pb2, executor_pb2, executor_pb2_grpc
 
 
+def _view(data: bytes, dtype: str, field: str) -> np.ndarray:
+    """A read-only little-endian view of the payload (no copy), native order."""
+    size = np.dtype(dtype).itemsize
+    if len(data) % size:
+        raise InvalidArgument(f"{field}: {len(data)} bytes is not a whole number of {size}-byte values")
+    a = np.frombuffer(data, dtype=dtype)
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
+
 def _i32(data: bytes, field: str) -> np.ndarray:
-    return np.frombuffer(packed.unpack_i32(data, field), dtype=np.int32)
+    return _view(data, "<i4", field)
 
 
 def _i64(data: bytes, field: str) -> np.ndarray:
-    return np.frombuffer(packed.unpack_i64(data, field), dtype=np.int64)
+    return _view(data, "<i8", field)
 
 
 def _f32(data: bytes, field: str) -> np.ndarray:
-    return np.frombuffer(packed.unpack_f32(data, field), dtype=np.float32)
+    return _view(data, "<f4", field)
 
 
 def _opt(data: bytes, decode, field: str) -> np.ndarray | None:

@@ -152,8 +152,13 @@ def _check_ids(arr: np.ndarray, limit: int, name: str, what: str) -> None:
         _fail(f"{name}: {what} id {int(bad)} outside [0, {limit})")
 
 
+def _distinct(arr: np.ndarray) -> bool:
+    ordered = np.sort(arr)
+    return not (ordered[1:] == ordered[:-1]).any()
+
+
 def _check_distinct(arr: np.ndarray, name: str) -> None:
-    if len(np.unique(arr)) != len(arr):
+    if not _distinct(arr):
         _fail(f"{name}: ids must be distinct")
 
 
@@ -179,28 +184,42 @@ def _check_cache_ops(ops: CacheOps, limits: PoolLimits) -> None:
 
 
 def _normalized_sampling(s: Sampling, n: int, vocab_size: int) -> Sampling:
-    num_samples = np.ones(n, np.int32) if s.num_samples is None else s.num_samples
-    _check_len(num_samples, n, "sampling.num_samples")
-    if n and (int(num_samples.min()) < 0 or int(num_samples.max()) > MAX_SAMPLES_PER_SEQ):
-        _fail(f"sampling.num_samples must be in [0, {MAX_SAMPLES_PER_SEQ}]")
-    num_total = int(num_samples.sum(dtype=np.int64))
-    temperature = np.zeros(n, np.float32) if s.temperature is None else s.temperature
-    top_p = np.ones(n, np.float32) if s.top_p is None else s.top_p
-    top_k = np.zeros(n, np.int32) if s.top_k is None else s.top_k
+    """The defaults filled in; only the columns sent are checked (a default is valid)."""
+    if s.num_samples is None:
+        num_samples = np.ones(n, np.int32)
+        num_total = n
+    else:
+        num_samples = s.num_samples
+        _check_len(num_samples, n, "sampling.num_samples")
+        if n and (int(num_samples.min()) < 0 or int(num_samples.max()) > MAX_SAMPLES_PER_SEQ):
+            _fail(f"sampling.num_samples must be in [0, {MAX_SAMPLES_PER_SEQ}]")
+        num_total = int(num_samples.sum(dtype=np.int64))
+    temperature, top_p, top_k, num_top = s.temperature, s.top_p, s.top_k, s.num_top_logprobs
+    if temperature is None:
+        temperature = np.zeros(n, np.float32)
+    else:
+        _check_len(temperature, n, "sampling.temperature")
+        if not np.isfinite(temperature).all() or (temperature < 0).any():
+            _fail("sampling.temperature must be finite and >= 0")
+    if top_p is None:
+        top_p = np.ones(n, np.float32)
+    else:
+        _check_len(top_p, n, "sampling.top_p")
+        if not np.isfinite(top_p).all() or ((top_p < 0) | (top_p > 1)).any():
+            _fail("sampling.top_p must be in [0, 1] (0 = unset)")
+        top_p = np.where(top_p == 0, np.float32(1), top_p).astype(np.float32)
+    if top_k is None:
+        top_k = np.zeros(n, np.int32)
+    else:
+        _check_len(top_k, n, "sampling.top_k")
+    if num_top is None:
+        num_top = np.zeros(n, np.int32)
+    else:
+        _check_len(num_top, n, "sampling.num_top_logprobs")
+        if n and (int(num_top.min()) < 0 or int(num_top.max()) > vocab_size):
+            _fail(f"sampling.num_top_logprobs must be in [0, {vocab_size}]")
     seeds = np.zeros(num_total, np.int64) if s.seeds is None else s.seeds
-    num_top = np.zeros(n, np.int32) if s.num_top_logprobs is None else s.num_top_logprobs
-    _check_len(temperature, n, "sampling.temperature")
-    _check_len(top_p, n, "sampling.top_p")
-    _check_len(top_k, n, "sampling.top_k")
-    _check_len(num_top, n, "sampling.num_top_logprobs")
     _check_len(seeds, num_total, "sampling.seeds (one per sampled token)")
-    if not np.all(np.isfinite(temperature)) or np.any(temperature < 0):
-        _fail("sampling.temperature must be finite and >= 0")
-    if not np.all(np.isfinite(top_p)) or np.any((top_p < 0) | (top_p > 1)):
-        _fail("sampling.top_p must be in [0, 1] (0 = unset)")
-    if n and (int(num_top.min()) < 0 or int(num_top.max()) > vocab_size):
-        _fail(f"sampling.num_top_logprobs must be in [0, {vocab_size}]")
-    top_p = np.where(top_p == 0, np.float32(1), top_p).astype(np.float32)
     out = Sampling(num_samples, temperature, top_p, top_k, seeds, num_top, s.return_logprobs)
     _check_processing(s, n, vocab_size)
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "bias_offsets",
@@ -274,7 +293,7 @@ def check_step(step: StepInput, limits: PoolLimits) -> StepInput:
     _check_len(step.query_lens, n, "query_lens")
     if step.context_lens is not None:
         _check_len(step.context_lens, n, "context_lens")
-    if len(np.unique(step.seq_ids)) != n:
+    if not _distinct(step.seq_ids):
         _fail("seq_ids must be distinct")
     q = step.query_lens.astype(np.int64)
     if n and int(q.min()) < 1:
@@ -292,6 +311,13 @@ def check_step(step: StepInput, limits: PoolLimits) -> StepInput:
     _check_cache_ops(step.cache_ops, limits)
     sampling = _normalized_sampling(step.sampling, n, limits.vocab_size)
     return dataclasses.replace(step, sampling=sampling)
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    """Contiguous and writable: a request column is a read-only view of its payload,
+    which torch must not share."""
+    a = np.ascontiguousarray(a)
+    return a if a.flags.writeable else a.copy()
 
 
 def sampled_rows(step: StepInput) -> np.ndarray:
@@ -314,7 +340,7 @@ def build_forward_batch(step: StepInput, resolved: Resolved, device: torch.devic
     logits_indices = qsl[1:][sampled_rows(step)] - 1
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+        return torch.from_numpy(_writable(a)).to(device=device, dtype=dtype)
 
     groups = groups or [resolved]
     tables = [dev(r.tables, torch.int32) for r in groups]
@@ -343,7 +369,7 @@ def build_sampling_inputs(step: StepInput, resolved: Resolved, device: torch.dev
     rows = sampled_rows(step)
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+        return torch.from_numpy(_writable(a)).to(device=device, dtype=dtype)
 
     positions = resolved.context_lens + step.query_lens.astype(np.int64)
     inputs = SamplingInputs(

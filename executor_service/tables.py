@@ -7,7 +7,11 @@ live sequence, with its length in blocks and how many of its tokens are
 computed. A step is applied in two halves so that a bad plan changes
 nothing: ``resolve`` checks the changes and the rows against the tables as
 they would be after the changes and computes the step's slot mapping and
-padded tables, touching no state; ``commit`` then writes it.
+padded tables, touching no state; ``commit`` then writes it. Storage past
+a table's length holds 0 (the padding a resolved step's tables carry), and
+the last committed step's rows are kept so that a decode step repeating them
+(no table changes) costs a few gathers over its rows, independent of the
+context and without a Python look-up per sequence.
 
 Changes apply in this order: forks (a child's table and computed length
 are its parent's; a parent without a table gives a child without one),
@@ -55,6 +59,17 @@ class TableChanges:
     extended_offsets: np.ndarray = field(default_factory=lambda: _i32([0]))
     extended_block_ids: np.ndarray = field(default_factory=_i32)
 
+    def is_empty(self) -> bool:
+        """Nothing changes (a decode step inside its blocks); malformed offsets are not empty."""
+        return not (self.forks or len(self.dropped) or len(self.started_seq_ids) or len(self.started_context_lens)
+                    or len(self.started_block_ids) or len(self.extended_seq_ids) or len(self.extended_first_index)
+                    or len(self.extended_block_ids)) \
+            and _unit(self.started_offsets) and _unit(self.extended_offsets)
+
+
+def _unit(offsets: np.ndarray) -> bool:
+    return len(offsets) == 1 and offsets[0] == 0
+
 
 @dataclass(slots=True)
 class Resolved:
@@ -91,6 +106,9 @@ class BlockTables:
         self._tables = np.zeros((capacity, self.width), np.int32)
         self._lengths = np.zeros(capacity, np.int64)    # blocks
         self._computed = np.zeros(capacity, np.int64)   # tokens
+        # The last committed step's rows (seq_ids int64 [n], storage rows int64 [n]): a decode step
+        # that repeats them skips the per-sequence look-ups. Void whenever a row is taken or given back.
+        self._last_rows: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -109,6 +127,9 @@ class BlockTables:
         """Forget every table (the pool's contents were invalidated)."""
         self._free.extend(self._rows.values())
         self._rows.clear()
+        self._tables[:] = 0  # past every length: 0 (the padding ``resolve`` reads)
+        self._lengths[:] = 0
+        self._last_rows = None
 
     # ---- resolve: check, touch nothing ---------------------------------------------
 
@@ -137,6 +158,8 @@ class BlockTables:
         fit these tables; changes nothing."""
         reset = epoch != self.epoch
         staged: dict[int, tuple[np.ndarray, int] | None] = {}
+        if not reset and changes.is_empty():
+            return self._resolve_rows(reset, epoch, staged, seq_ids, query_lens, context_lens)
 
         def state(seq_id: int) -> tuple[np.ndarray, int] | None:
             return staged[seq_id] if seq_id in staged else self._current(seq_id, reset)
@@ -174,21 +197,39 @@ class BlockTables:
             ids = np.concatenate([base[0][:first], c.extended_block_ids[c.extended_offsets[i]:c.extended_offsets[i + 1]]])
             self._check_width(seq_id, len(ids))
             staged[seq_id] = (ids, base[1])
+        return self._resolve_rows(reset, epoch, staged, seq_ids, query_lens, context_lens)
+
+    def _row_ids(self, reset: bool, staged: dict, seq_ids: np.ndarray) -> np.ndarray:
+        """Each row's storage row: -1 for a staged sequence, -2 for one without a table."""
+        last = self._last_rows
+        if not reset and not staged and last is not None and np.array_equal(last[0], seq_ids):
+            return last[1]  # the same rows as the last step (read only)
+        rows = self._rows
+        return np.fromiter((-1 if reset or s in staged else rows.get(s, -2) for s in seq_ids.tolist()),
+                           np.int64, len(seq_ids))
+
+    def _resolve_rows(self, reset: bool, epoch: int, staged: dict, seq_ids: np.ndarray, query_lens: np.ndarray,
+                      context_lens: np.ndarray | None) -> Resolved:
+        def state(seq_id: int) -> tuple[np.ndarray, int] | None:
+            return staged[seq_id] if seq_id in staged else self._current(seq_id, reset)
 
         # The rows: decodes of untouched sequences in one vectorised pass, staged ones one by one.
         n = len(seq_ids)
-        rows = self._rows
-        row_ids = np.fromiter((-1 if reset or s in staged else rows.get(s, -2) for s in seq_ids.tolist()),
-                              np.int64, n)
+        row_ids = self._row_ids(reset, staged, seq_ids)
         if np.any(row_ids == -2):
             s = int(seq_ids[np.argmax(row_ids == -2)])
             raise FailedPrecondition(f"row for sequence {s}, which has no table here")
-        lengths = np.zeros(n, np.int64)
-        ctx = np.zeros(n, np.int64)
         known = row_ids >= 0
-        lengths[known] = self._lengths[row_ids[known]]
-        ctx[known] = self._computed[row_ids[known]]
-        for i in np.nonzero(~known)[0].tolist():
+        all_known = bool(known.all())
+        if all_known:
+            lengths = self._lengths[row_ids]
+            ctx = self._computed[row_ids]
+        else:
+            lengths = np.zeros(n, np.int64)
+            ctx = np.zeros(n, np.int64)
+            lengths[known] = self._lengths[row_ids[known]]
+            ctx[known] = self._computed[row_ids[known]]
+        for i in ([] if all_known else np.nonzero(~known)[0].tolist()):
             st = state(int(seq_ids[i]))
             if st is None:
                 raise FailedPrecondition(f"row for sequence {int(seq_ids[i])}, which has no table here")
@@ -196,7 +237,7 @@ class BlockTables:
         q = query_lens.astype(np.int64)
         total = ctx + q
         short = total > lengths * self.block_size
-        if np.any(short):
+        if short.any():
             i = int(np.argmax(short))
             raise InvalidArgument(f"sequence {int(seq_ids[i])}: its table holds {int(lengths[i])} blocks, "
                                   f"{-(-int(total[i]) // self.block_size)} needed for {int(total[i])} tokens")
@@ -211,10 +252,14 @@ class BlockTables:
 
         # Each row's table, padded with block 0 (masked by its length anyway), and the slots written now.
         width = max(1, int(lengths.max())) if n else 1
-        tables = np.zeros((n, width), np.int32)
-        if np.any(known):
-            tables[known] = self._tables[row_ids[known], :width]
-        for i in np.nonzero(~known)[0].tolist():
+        if all_known:
+            # One gather; storage past a table's length holds 0 (``commit`` keeps it so): the padding.
+            tables = self._tables[row_ids, :width]
+        else:
+            tables = np.zeros((n, width), np.int32)
+            if known.any():
+                tables[known] = self._tables[row_ids[known], :width]
+        for i in ([] if all_known else np.nonzero(~known)[0].tolist()):
             ids = staged[int(seq_ids[i])][0]
             tables[i, : len(ids)] = ids
         num_tokens = int(q.sum())
@@ -228,10 +273,14 @@ class BlockTables:
                 i = int(np.argmax(np.any(read & (tables < 0), axis=1)))
                 raise InvalidArgument(f"sequence {int(seq_ids[i])}: a block its window reads is a hole (-1)")
         if num_tokens:
-            row_of = np.repeat(np.arange(n), q)                               # [T]
-            pos = np.arange(num_tokens) - np.repeat(np.cumsum(q) - q, q) + ctx[row_of]  # [T]
+            if num_tokens == n:  # a decode: one token per row, at position ctx
+                row_of, pos = np.arange(n), ctx
+            else:
+                row_of = np.repeat(np.arange(n), q)                               # [T]
+                pos = np.arange(num_tokens) - np.repeat(np.cumsum(q) - q, q) + ctx[row_of]  # [T]
             slots = (tables[row_of, pos // bs].astype(np.int64) * bs + pos % bs).astype(np.int32)
-            if len(np.unique(slots)) != num_tokens:
+            ordered = np.sort(slots)
+            if num_tokens > 1 and (ordered[1:] == ordered[:-1]).any():
                 raise InvalidArgument("a slot is written twice in one step (two rows share a block without copy-on-write)")
         else:
             slots = np.zeros(0, np.int32)
@@ -249,21 +298,30 @@ class BlockTables:
             if st is None:
                 if r is not None:
                     del self._rows[seq_id]
+                    self._tables[r, : self._lengths[r]] = 0
+                    self._lengths[r] = 0
                     self._free.append(r)
+                    self._last_rows = None
                 continue
             if r is None:
                 r = self._row()
                 self._rows[seq_id] = r
+                self._last_rows = None
             ids, computed = st
+            old = int(self._lengths[r])
             self._tables[r, : len(ids)] = ids
+            if old > len(ids):
+                self._tables[r, len(ids):old] = 0  # past the length: 0, the padding ``resolve`` reads
             self._lengths[r] = len(ids)
             self._computed[r] = computed
         rows = self._rows
-        row_ids = resolved.row_ids.copy()
+        row_ids = resolved.row_ids
         staged_rows = row_ids < 0
-        if np.any(staged_rows):
+        if staged_rows.any():
+            row_ids = row_ids.copy()
             row_ids[staged_rows] = [rows[int(s)] for s in seq_ids[staged_rows].tolist()]
         self._computed[row_ids] += query_lens.astype(np.int64)
+        self._last_rows = (seq_ids.copy(), row_ids)
 
     def _row(self) -> int:
         if not self._free:

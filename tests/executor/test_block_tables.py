@@ -110,3 +110,36 @@ def test_the_gateways_count_must_match():
         t.resolve(1, TableChanges(), i64(1), i32(1), i32(2))
     step(t, 1, TableChanges(), {1: 1}, context=[3])
     assert t.computed(1) == 4
+
+
+def test_decode_steps_that_repeat_their_rows_match_fresh_tables():
+    """The kept rows of the last step (a decode with no changes reuses them) give
+    exactly what tables built from scratch give: same rows, another order, a
+    subset, a row given back and taken by a shorter table (padded with 0)."""
+
+    def fresh(state: dict[int, tuple[list[int], int]]) -> BlockTables:
+        f = BlockTables(num_blocks=64, block_size=BS, max_model_len=64)
+        ids = list(state)
+        r = f.resolve(1, starts(*[(s, state[s][1], state[s][0]) for s in ids]), i64(*ids), i32(*[1] * len(ids)))
+        f.commit(r, i64(*ids), i32(*[0] * len(ids)))  # tables in, nothing computed yet
+        return f
+
+    t = BlockTables(num_blocks=64, block_size=BS, max_model_len=64, capacity=2)
+    step(t, 1, starts((1, 1, [5, 6, 7]), (2, 2, [8, 12, 13]), (3, 0, [9, 10])), {1: 1, 2: 1, 3: 1})
+    for rows in ({1: 1, 2: 1, 3: 1}, {1: 1, 2: 1, 3: 1}, {3: 1, 1: 1, 2: 1}, {2: 1, 3: 1}, {2: 1, 3: 1}):
+        state = {s: (t.table(s), t.computed(s)) for s in rows}
+        want = fresh(state).resolve(1, TableChanges(), i64(*rows), i32(*rows.values()))
+        got = step(t, 1, TableChanges(), rows)
+        assert got.tables.tolist() == want.tables.tolist()
+        assert got.slot_mapping.tolist() == want.slot_mapping.tolist()
+        assert got.context_lens.tolist() == want.context_lens.tolist()
+    # 1 (three blocks) ends; 4 takes its storage row with one block: the padding is 0, not 1's old blocks
+    step(t, 1, TableChanges(dropped=i64(1)), {})
+    r = step(t, 1, starts((4, 0, [11])), {4: 1, 3: 1})
+    assert r.tables.tolist() == [[11, 0], [9, 10]]
+    r = step(t, 1, TableChanges(), {4: 1, 3: 1})
+    assert r.tables.tolist() == [[11, 0], [9, 10]] and r.slot_mapping.tolist() == [11 * BS + 1, 10 * BS + 3]
+    # a row without a table is still refused when the rows repeat but the table is gone
+    step(t, 1, TableChanges(dropped=i64(4)), {})
+    with pytest.raises(FailedPrecondition):
+        t.resolve(1, TableChanges(), i64(4, 3), i32(1, 1))
