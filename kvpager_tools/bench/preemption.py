@@ -19,7 +19,7 @@ stack and waits for a heartbeat, so the executor's measured rates have
 reached the memory service. Then ``--repeats`` rounds: each runs every
 workload on every stack, one after another (the order rotated each round),
 each run under a fresh cache salt (no earlier run's prefix helps it). A
-workload runs 10–15 s: the 2–3 s runs of the first version measured the
+workload runs tens of seconds: the 2–3 s runs of the first version measured the
 machine's noise (the same decisions up to 30 % apart). ``--self-check P``
 adds a second stack of policy P: its ratio to P is the noise floor.
 ``--workload`` splits a long campaign into short runs.
@@ -77,7 +77,7 @@ def workloads(quick: bool) -> list[Workload]:
     if quick:  # CI smoke: shapes only
         return [Workload("short_prompts", 8, 8, 24), Workload("long_prompts", 4, 56, 8),
                 Workload("long_shared_prefix", 6, 4, 12, shared_prefix_len=48)]
-    # Sized for 10-15 s each on two CPU cores with the 30M model: shorter runs measured the machine's noise.
+    # Sized for tens of seconds each on two CPU cores with the 30M model: 2-3 s runs measured the machine's noise.
     return [Workload("short_prompts", 64, 24, 160), Workload("long_prompts", 32, 448, 64),
             Workload("long_shared_prefix", 64, 16, 112, shared_prefix_len=384)]
 
@@ -276,7 +276,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--swap-min-tokens", type=int, default=256, help="the threshold policy's rule")
     p.add_argument("--lease-s", type=float, default=1.5, help="memory lease (heartbeats bring the rates every third)")
-    p.add_argument("--victim-policy", default="newest", choices=sorted(VICTIM_POLICIES), help="the memory service's --victim-policy (all stacks)")
+    p.add_argument("--victim-policy", default="newest", choices=sorted(VICTIM_POLICIES),
+                   help="the memory service's --victim-policy (all stacks)")
     p.add_argument("--repeats", type=_positive, default=3,
                    help="rounds; each runs every workload on every policy (rotated order); medians reported")
     p.add_argument("--policies", type=_policy_list, default=POLICIES, help="comma list (default: all four)")
