@@ -4,8 +4,9 @@ the device's fastest matmul path.
 On CPU, oneDNN with the weight reordered ("packed") into its blocked layout
 once at load time: for fp32 the same math as ``F.linear`` but faster on the
 small row counts of decode steps (the default MKL sgemm leaves most of an
-AVX-512 core idle there), for bf16 oneDNN's AVX512-BF16 / AMX kernels. On
-CUDA (and where oneDNN is missing) plain ``F.linear`` (cuBLAS).
+AVX-512 core idle there), for bf16 oneDNN's AVX512-BF16 / AMX kernels where
+the CPU has them (``packable``). On CUDA, where oneDNN is missing and for bf16
+on a CPU without bf16 instructions, plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack and run a ``dtype`` weight on this CPU: fp32
+    everywhere it exists; bf16 only with AVX512-BF16/AMX or AVX-NE-CONVERT
+    (on a plain AVX2 CPU its reorder refuses bf16, and ``F.linear`` serves)."""
+    if dtype not in PACKABLE or not onednn_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class Linear:
     """``y = x @ weight.T + bias`` with the weight prepared at construction.
 
@@ -31,7 +41,7 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
         if pack is None:
-            pack = weight.device.type == "cpu" and weight.dtype in PACKABLE and onednn_available()
+            pack = weight.device.type == "cpu" and packable(weight.dtype)
         self.packed = bool(pack)
         if self.packed:
             # Opaque oneDNN tensor: the plain weight is not kept (no second copy).
