@@ -57,7 +57,16 @@ class PreemptionEstimate:
     """Both modes' cost for one victim. ``recompute_tokens``: computed tokens
     that will not be prefix hits at resume (its full blocks stay in the
     cached free queue unless the room being made evicts them); ``*_s``: at
-    the executor's measured rates (None: not measured yet)."""
+    the executor's measured rates (None: not measured yet).
+
+    ``unshared_blocks``: leading blocks it holds with other sequences that a
+    recompute takes back as prefix hits but a swap copies out (freeing
+    nothing) and back into private blocks, so after a swap-in the pool holds
+    them twice for the rest of the sequence. ``unshare_s`` prices that: the
+    prefill of as many tokens, what the pool pays to get the blocks back
+    from someone else by recompute (the benchmark measured a swap of a
+    shared prefix losing to its recompute although its copy was far
+    cheaper)."""
 
     recompute_tokens: int
     recompute_s: float | None
@@ -66,9 +75,18 @@ class PreemptionEstimate:
     swap_s: float | None      # out now + in at resume
     swap_fits: bool           # the CPU swap pool has room for all its blocks
     freed_blocks: int         # device blocks this preemption gives back (shared ones stay held)
+    unshared_blocks: int = 0
+    unshare_s: float | None = 0.0
+
+    @property
+    def swap_total_s(self) -> float | None:
+        """A swap's whole cost: the copies and the sharing it loses."""
+        if self.swap_s is None or self.unshare_s is None:
+            return None
+        return self.swap_s + self.unshare_s
 
     def cost_s(self, mode: PreemptionMode) -> float | None:
-        return self.swap_s if mode is PreemptionMode.SWAP else self.recompute_s
+        return self.swap_total_s if mode is PreemptionMode.SWAP else self.recompute_s
 
 
 @dataclass(slots=True)
@@ -89,13 +107,14 @@ def estimate_preemption(victim: Sequence, block_size: int, swap_free_blocks: int
     private = [i for i, b in enumerate(blocks) if b.ref_cnt == 1]  # freed by the preemption
     taken = set(private[::-1][:taken_blocks])
     max_hits = (max(victim.num_tokens, 1) - 1) // block_size  # the last token is always recomputed
-    hits = 0
+    hits = unshared = 0
     # A table per KV group: group 0's table by position (a hole, where a window passed, ends the estimate).
     by_position = victim.kv_groups.tables[0] if victim.kv_groups is not None else blocks
     for i, b in enumerate(by_position[:min(max_hits, victim.num_computed // block_size)]):
         if b is None or b.block_hash is None or (by_position is blocks and i in taken):
             break
         hits += 1
+        unshared += b.ref_cnt > 1
     recompute_tokens = max(0, victim.num_computed - hits * block_size)
     n = len(blocks)
     block_bytes = costs.block_bytes if costs is not None else 0
@@ -104,7 +123,8 @@ def estimate_preemption(victim: Sequence, block_size: int, swap_free_blocks: int
         recompute_s=costs.prefill_s(recompute_tokens) if costs is not None else None,
         swap_blocks=n, swap_bytes=n * block_bytes,
         swap_s=costs.swap_s(n) if costs is not None else None,
-        swap_fits=n <= swap_free_blocks, freed_blocks=len(private))
+        swap_fits=n <= swap_free_blocks, freed_blocks=len(private), unshared_blocks=unshared,
+        unshare_s=costs.prefill_s(unshared * block_size) if costs is not None else None)
 
 
 class ModePolicy(Protocol):
@@ -160,7 +180,8 @@ class ThresholdModePolicy:
 class CostModePolicy:
     """The cheaper mode at the executor's measured rates: recompute costs the
     prefill of the tokens that will not be prefix hits at resume, swap the
-    copy of all its blocks out and back in. Ties go to recompute (it keeps
+    copy of all its blocks out and back in plus the sharing it loses
+    (``PreemptionEstimate.unshare_s``). Ties go to recompute (it keeps
     the swap pool and the host link free). Until the executor has measured
     both rates, ``fallback`` decides (and the reason says so)."""
 
@@ -174,15 +195,18 @@ class CostModePolicy:
     def choose(self, victim: Sequence, est: PreemptionEstimate) -> PreemptionDecision:
         if not est.swap_fits:
             return PreemptionDecision(victim.seq_id, PreemptionMode.RECOMPUTE, "swap pool full", est)
-        if est.recompute_s is None or est.swap_s is None:
+        swap_s = est.swap_total_s
+        if est.recompute_s is None or swap_s is None:
             d = self.fallback.choose(victim, est)
             d.reason = f"unmeasured, {self.fallback.name}: {d.reason}"
             return d
-        if est.swap_s < est.recompute_s:
+        swap = f"swap {_ms(swap_s)}" + (f" ({est.unshared_blocks} shared blocks {_ms(est.unshare_s)})"
+                                        if est.unshared_blocks else "")
+        if swap_s < est.recompute_s:
             return PreemptionDecision(victim.seq_id, PreemptionMode.SWAP,
-                                      f"swap {_ms(est.swap_s)} < recompute {_ms(est.recompute_s)}", est)
+                                      f"{swap} < recompute {_ms(est.recompute_s)}", est)
         return PreemptionDecision(victim.seq_id, PreemptionMode.RECOMPUTE,
-                                  f"recompute {_ms(est.recompute_s)} <= swap {_ms(est.swap_s)}", est)
+                                  f"recompute {_ms(est.recompute_s)} <= {swap}", est)
 
 
 MODE_POLICIES = ("cost", "threshold", "recompute", "swap")
@@ -235,7 +259,7 @@ class LeastLostWorkVictimPolicy(VictimPolicy):
             est = lost_work(s)
             if not est.freed_blocks:
                 return (1, 0.0, -s.arrival)
-            costs = [c for c in (est.recompute_s, est.swap_s if est.swap_fits else None) if c is not None]
+            costs = [c for c in (est.recompute_s, est.swap_total_s if est.swap_fits else None) if c is not None]
             lost = min(costs) if costs else float(est.recompute_tokens)
             return (0, lost / est.freed_blocks, -s.arrival)
 

@@ -123,7 +123,7 @@ class MemoryState:
                 e = d.estimate
                 log.info("preempted", seq_id=d.seq_id, mode=d.mode.value, reason=d.reason,
                          recompute_tokens=e.recompute_tokens, recompute_s=e.recompute_s, swap_bytes=e.swap_bytes,
-                         swap_s=e.swap_s, freed_blocks=e.freed_blocks)
+                         swap_s=e.swap_total_s, unshared_blocks=e.unshared_blocks, freed_blocks=e.freed_blocks)
         if self.mirror is not None:
             # Step fencing: the executors the gateway will Execute this step on (a plan with rows).
             self.mirror.on_step(step.step_id, [p.executor_id for p in out.executor_plans if len(p.seq_ids)])

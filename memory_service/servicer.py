@@ -144,7 +144,7 @@ def plan_to_proto(out: StepOutput) -> memory_pb2.StepPlan:
         e = d.estimate
         plan.preempted.add(seq_id=seq_id, mode=_MODES[mode], reason=d.reason, recompute_tokens=e.recompute_tokens,
                            recompute_cost_s=-1.0 if e.recompute_s is None else e.recompute_s,
-                           swap_bytes=e.swap_bytes, swap_cost_s=-1.0 if e.swap_s is None else e.swap_s)
+                           swap_bytes=e.swap_bytes, swap_cost_s=-1.0 if e.swap_total_s is None else e.swap_total_s)
     if out.unscheduled:
         plan.unscheduled_seq_ids = array_bytes(array("q", out.unscheduled))
     for r in out.rejected:

@@ -140,3 +140,23 @@ def test_least_lost_work_victim_policy():
     assert policy.select([a, b, c], None) is c                   # no estimates: newest
     assert VictimPolicy().select([a, b, c, d], lambda q: est[q.seq_id]) is c
     assert policy.select([], None) is None
+
+
+def test_cost_mode_recomputes_a_shared_prefix_a_swap_would_unshare(harness):
+    """A swap copies shared blocks out without freeing them and back into
+    private ones: the cost model charges the lost sharing, so a victim whose
+    prefix others hold is recomputed although its copy is far cheaper."""
+    h = harness(num_blocks=8)
+    h.step(new=[h.new(1, range(14))], sched=[(1, 14)])   # 3 full cached blocks + a partial one
+    costs = ExecutorCosts((4,), (100.0,), 1e6, 10)
+    alone = estimate_preemption(h.seq(1), 4, 8, costs)
+    assert (alone.unshared_blocks, alone.unshare_s, alone.swap_total_s) == (0, 0.0, alone.swap_s)
+    d = CostModePolicy().choose(h.seq(1), alone)
+    assert d.mode is SWAP and d.reason == "swap 0.08 ms < recompute 20 ms"
+    h.m.fork(1, [2])                                      # 2 shares all four blocks
+    e = estimate_preemption(h.seq(1), 4, 8, costs)
+    assert (e.recompute_tokens, e.unshared_blocks) == (2, 3)   # the partial tail is not a prefix hit
+    assert e.unshare_s == pytest.approx(0.12) and e.swap_total_s == pytest.approx(0.12 + e.swap_s)
+    assert e.cost_s(SWAP) == e.swap_total_s
+    d = CostModePolicy().choose(h.seq(1), e)
+    assert d.mode is RECOMPUTE and d.reason == "recompute 20 ms <= swap 120 ms (3 shared blocks 120 ms)"
