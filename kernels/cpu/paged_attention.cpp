@@ -20,7 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -179,6 +179,102 @@ inline void pv_all(const float* probs, int64_t start, int64_t end, int64_t G, co
   if constexpr (GMAX >= 4) {
     if (g + 2 <= G) pv_chunk<T, DC, 2>(probs, start, end, g, v, table, BS, v_s0, v_s1, kvh_off, acc), g += 2;
   }
+  if constexpr (GMAX >= 2) {
+    for (; g < G; ++g) pv_chunk<T, DC, 1>(probs, start, end, g, v, table, BS, v_s0, v_s1, kvh_off, acc);
+  }
+}
+#define KVPAGER_HAVE_SCORES16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// The AVX2 forms of the functions above: eight lanes, so "16" keys are two
+// groups of eight and a 64-dim row is eight registers. Same arithmetic per
+// lane (fp32 products, fused multiply-adds along the head dim).
+
+// Eight vectors -> one: lane t is the sum of v[t]'s lanes.
+inline __m256 reduce8(__m256* v) {
+  __m256 w[4], x[2];
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_hadd_ps(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) x[i] = _mm256_hadd_ps(w[2 * i], w[2 * i + 1]);
+  // x[0] lanes: (v0 v1 v2 v3 | v0 v1 v2 v3) halves of 128 bits; x[1] the same for v4..v7.
+  const __m256 lo = _mm256_permute2f128_ps(x[0], x[1], 0x20), hi = _mm256_permute2f128_ps(x[0], x[1], 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
+template <typename T>
+inline __m256 load8(const T* p);
+template <>
+inline __m256 load8<float>(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+template <>
+inline __m256 load8<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+template <>
+inline __m256 load8<c10::Half>(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Scores of up to 16 consecutive keys for each of the G queries (as scores16 above).
+template <typename T, int DC>
+inline void scores16(const float* qf, int64_t G, const T* rows, int64_t stride, int64_t n, float* out,
+                     int64_t out_stride) {
+  constexpr int C = DC / 8;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = qf + g * DC;
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const int64_t m = std::min<int64_t>(8, n - t0);
+      __m256 acc[8];
+      for (int64_t t = 0; t < 8; ++t) {
+        if (t < m) {
+          const T* r = rows + (t0 + t) * stride;
+          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), load8<T>(r));
+          for (int c = 1; c < C; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load8<T>(r + 8 * c), a);
+          acc[t] = a;
+        } else {
+          acc[t] = _mm256_setzero_ps();
+        }
+      }
+      alignas(32) float sum[8];
+      _mm256_store_ps(sum, reduce8(acc));
+      for (int64_t t = 0; t < m; ++t) out[g * out_stride + t0 + t] = sum[t];
+    }
+  }
+}
+
+// acc[g] = sum_t p[g][t] * V[t] for GC heads from g0 (as pv_chunk above).
+template <typename T, int DC, int GC>
+inline void pv_chunk(const float* probs, int64_t start, int64_t end, int64_t g0, const T* v, const int32_t* table,
+                     int64_t BS, int64_t v_s0, int64_t v_s1, int64_t kvh_off, float* acc) {
+  constexpr int C = DC / 8;
+  const int64_t L = end - start;
+  __m256 a[GC][C];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm256_setzero_ps();
+  for (int64_t b = start / BS; b * BS < end; ++b) {
+    const T* vb = v + static_cast<int64_t>(table[b]) * v_s0 + kvh_off;
+    const int64_t n = std::min<int64_t>(BS, end - b * BS);
+    for (int64_t t = std::max<int64_t>(0, start - b * BS); t < n; ++t) {
+      const T* r = vb + t * v_s1;
+      for (int c = 0; c < C; ++c) {
+        const __m256 vr = load8<T>(r + 8 * c);
+        for (int g = 0; g < GC; ++g)
+          a[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(probs[(g0 + g) * L + b * BS + t - start]), vr, a[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + (g0 + g) * DC + 8 * c, a[g][c]);
+}
+
+template <typename T, int DC>
+inline void pv_all(const float* probs, int64_t start, int64_t end, int64_t G, const T* v, const int32_t* table,
+                   int64_t BS, int64_t v_s0, int64_t v_s1, int64_t kvh_off, float* acc) {
+  constexpr int C = DC / 8;
+  constexpr int GMAX = C >= 12 ? 1 : 12 / C;  // accumulators within 16 ymm registers: 1 head at D 64, 3 at 32
+  int64_t g = 0;
+  for (; g + GMAX <= G; g += GMAX) pv_chunk<T, DC, GMAX>(probs, start, end, g, v, table, BS, v_s0, v_s1, kvh_off, acc);
   if constexpr (GMAX >= 2) {
     for (; g < G; ++g) pv_chunk<T, DC, 1>(probs, start, end, g, v, table, BS, v_s0, v_s1, kvh_off, acc);
   }
