@@ -287,9 +287,12 @@ class MemoryMachine(RuleBasedStateMachine):
         for d in out.decisions:
             e = d.estimate
             assert d.reason and 0 <= e.recompute_tokens and e.swap_blocks >= 0 and e.freed_blocks <= e.swap_blocks
-            if self.mode == "cost" and e.swap_fits and e.recompute_s is not None and e.swap_s is not None:
+            if (self.mode == "cost" and e.swap_fits and e.recompute_s is not None and e.swap_s is not None
+                    and e.unshare_s is not None):
                 STATS["cost_decisions"] += 1
-                cheaper = PreemptionMode.SWAP if e.swap_s < e.recompute_s else PreemptionMode.RECOMPUTE
+                # a swap costs its copies plus the prefill of the shared blocks it turns private
+                swap_cost = e.swap_s + e.unshare_s
+                cheaper = PreemptionMode.SWAP if swap_cost < e.recompute_s else PreemptionMode.RECOMPUTE
                 assert d.mode is cheaper, d
             if not e.swap_fits:
                 assert d.mode is PreemptionMode.RECOMPUTE
