@@ -3,6 +3,7 @@ leases, metrics, and the hook the Redis mirror hangs on. No grpc here."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,13 +43,32 @@ class MemoryState:
         self.mirror = None  # set by the Redis mirror when enabled
         # Rebuilding from the mirror (MemoryServer.start): Steps are refused, since a block
         # allocated, written and freed meanwhile could be restored with the hash of what it held.
-        self.recovering = False
+        self._recovered = asyncio.Event()
+        self._recovered.set()
         self._last_logged: StepOutput | None = None  # the last output whose preemptions were logged
         self._collector = AccountingCollector(self)
         COLLECTORS.attach(self._collector)
 
     def close(self) -> None:
         COLLECTORS.detach(self._collector)
+
+    @property
+    def recovering(self) -> bool:
+        return not self._recovered.is_set()
+
+    @recovering.setter
+    def recovering(self, value: bool) -> None:
+        if value:
+            self._recovered.clear()
+        else:
+            self._recovered.set()
+
+    async def until_recovered(self) -> None:
+        """Returns once no rebuild from the mirror is running. Registrations
+        wait for it: an executor registered meanwhile has an empty pool here,
+        and the mirror writer would reset that executor's record in Redis
+        (its reverse index included) while recovery is still to read it."""
+        await self._recovered.wait()
 
     # executors
     def register_executor(self, spec: ExecutorSpec, costs: ExecutorCosts | None = None) -> bool:

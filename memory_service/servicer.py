@@ -177,6 +177,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         if info.block_size > MAX_BLOCK_SIZE:
             raise InvalidArgument(f"block_size must be <= {MAX_BLOCK_SIZE}")
         costs = costs_from_proto(info.costs) if info.HasField("costs") else None
+        await self.state.until_recovered()  # bounded: recovery has its own time limit
         replaced = self.state.register_executor(spec_from_proto(info), costs)
         return memory_pb2.RegisterExecutorResponse(replaced_previous=replaced, lease_s=self.state.lease_s)
 

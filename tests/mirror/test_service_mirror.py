@@ -234,6 +234,50 @@ async def test_restart_recovery_rebuilds_confirmed_executors_only(redis_proc):
             await server.stop(0)
 
 
+async def test_an_executor_registering_during_recovery_waits_and_its_cache_is_rebuilt(redis_proc):
+    """The executor re-registers (its heartbeat found the old service gone)
+    while the new service still confirms its pool. Registered at once, its
+    empty pool would make the writer reset the executor's record, reverse
+    index included, before recovery read it: a restart under load then
+    rebuilt nothing (the memory-restart drill failed that way, now and then)."""
+    good = FakeExecutor(11, 3)
+    server, addr = await serve_fake(good)
+    config = MemoryConfig(port=free_port(), redis_url=redis_proc.url, confirm_timeout_s=2.0)
+    first = await MemoryServer(config).start()
+    c = Client(first.address)
+    await c.register(pool_info("e0", 11, addr, pool_generation=3))
+    await c.prefill("e0", PROMPT, free=True)
+    await c.prefill("e0", [9] * 9, free=True)
+    await first.mirror.sync()
+    await c.close()
+    await first.stop(0)
+
+    good.last_step_id = 2
+    good.gate.clear()
+    second = MemoryServer(config)
+    starting = asyncio.create_task(second.start())
+    c = Client(second.address)
+    try:
+        while good.calls == 0:
+            await asyncio.sleep(0.01)
+        registering = asyncio.create_task(c.register(pool_info("e0", 11, addr, pool_generation=3)))
+        await asyncio.sleep(0.3)  # ample for a registration and a mirror flush, were either let through
+        assert not registering.done()
+        assert second.state.manager.executors == {}
+        good.gate.set()
+        await starting
+        await asyncio.wait_for(registering, 5)
+        after = (await c.snapshot()).executors[0]
+        assert (after.executor_id, after.cached_blocks, after.used_blocks) == ("e0", 5, 0)
+        assert await c.scores(PROMPT) == {"e0": 3}
+        await second.mirror.sync()
+        assert mirror_problems(sync_client(redis_proc.url), second.state) == []
+    finally:
+        await c.close()
+        await second.stop(0)
+        await server.stop(0)
+
+
 async def test_password_and_acl_user_credentials(redis_factory, monkeypatch):
     protected = redis_factory(("--requirepass", "s3cret"), url_auth=":s3cret@")
     acl = redis_factory(("--user", "alice", "on", ">pw", "~kvp:*", "+@all", "-@dangerous",
