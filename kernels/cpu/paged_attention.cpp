@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -60,6 +61,23 @@ inline const float* row_f32<c10::BFloat16>(const c10::BFloat16* __restrict src, 
     std::memcpy(buf + i, &bits, sizeof(float));
   }
   return buf;
+}
+
+// How many blocks ahead of the one being read its successors are asked
+// for (a block's rows of one kv head are a few cache lines, read in less
+// than a memory latency; docs/benchmarks.md has the cold-cache figures).
+constexpr int64_t prefetch_blocks() { return 4; }
+
+// Asks for every cache line of n rows of d elements, `stride` elements
+// apart (a block's keys or values of one kv head): the hardware prefetcher
+// does not follow a block table from one page to the next.
+template <typename T>
+inline void prefetch_rows(const T* rows, int64_t n, int64_t stride, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < n; ++t) {
+    const char* r = reinterpret_cast<const char*>(rows + t * stride);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off);
+  }
 }
 
 template <int DC>
@@ -115,11 +133,16 @@ inline __m512 load16<c10::Half>(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Scores of up to 16 consecutive keys (rows of `rows`, `stride` floats
+// Scores of up to 16 consecutive keys (rows of `rows`, `stride` elements
 // apart) for each of the G queries: out[g * out_stride + t].
 template <typename T, int DC>
 inline void scores16(const float* qf, int64_t G, const T* rows, int64_t stride, int64_t n, float* out,
-                     int64_t out_stride) {
+                     int64_t out_stride);
+
+// fp32 rows are read in place by every query head of the group.
+template <int DC>
+inline void scores16_f32(const float* qf, int64_t G, const float* rows, int64_t stride, int64_t n, float* out,
+                         int64_t out_stride) {
   constexpr int C = DC / 16;
   for (int64_t g = 0; g < G; ++g) {
     __m512 qv[C];
@@ -127,9 +150,9 @@ inline void scores16(const float* qf, int64_t G, const T* rows, int64_t stride, 
     __m512 acc[16];
     for (int64_t t = 0; t < 16; ++t) {
       if (t < n) {
-        const T* r = rows + t * stride;
-        __m512 a = _mm512_mul_ps(qv[0], load16<T>(r));
-        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16<T>(r + 16 * c), a);
+        const float* r = rows + t * stride;
+        __m512 a = _mm512_mul_ps(qv[0], load16<float>(r));
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16<float>(r + 16 * c), a);
         acc[t] = a;
       } else {
         acc[t] = _mm512_setzero_ps();
@@ -137,6 +160,22 @@ inline void scores16(const float* qf, int64_t G, const T* rows, int64_t stride, 
     }
     const __m512 sum = reduce16(acc);
     _mm512_mask_storeu_ps(out + g * out_stride, static_cast<__mmask16>((1u << n) - 1u), sum);
+  }
+}
+
+template <typename T, int DC>
+inline void scores16(const float* qf, int64_t G, const T* rows, int64_t stride, int64_t n, float* out,
+                     int64_t out_stride) {
+  if constexpr (std::is_same_v<T, float>) {
+    scores16_f32<DC>(qf, G, rows, stride, n, out, out_stride);
+  } else {
+    // 16-bit rows are widened once into an L1-resident tile that all G query
+    // heads then read (widening per head cost G times the conversions).
+    alignas(64) float tile[16 * DC];
+    constexpr int C = DC / 16;
+    for (int64_t t = 0; t < n; ++t)
+      for (int c = 0; c < C; ++c) _mm512_store_ps(tile + t * DC + 16 * c, load16<T>(rows + t * stride + 16 * c));
+    scores16_f32<DC>(qf, G, tile, DC, n, out, out_stride);
   }
 }
 
@@ -154,6 +193,8 @@ inline void pv_chunk(const float* probs, int64_t start, int64_t end, int64_t g0,
   for (int64_t b = start / BS; b * BS < end; ++b) {
     const T* vb = v + static_cast<int64_t>(table[b]) * v_s0 + kvh_off;
     const int64_t n = std::min<int64_t>(BS, end - b * BS);
+    const int64_t pf = b + prefetch_blocks();
+    if (pf * BS < end) prefetch_rows(v + static_cast<int64_t>(table[pf]) * v_s0 + kvh_off, BS, v_s1, DC);
     for (int64_t t = std::max<int64_t>(0, start - b * BS); t < n; ++t) {
       const T* r = vb + t * v_s1;
       __m512 vr[C];
@@ -255,6 +296,8 @@ inline void pv_chunk(const float* probs, int64_t start, int64_t end, int64_t g0,
   for (int64_t b = start / BS; b * BS < end; ++b) {
     const T* vb = v + static_cast<int64_t>(table[b]) * v_s0 + kvh_off;
     const int64_t n = std::min<int64_t>(BS, end - b * BS);
+    const int64_t pf = b + prefetch_blocks();
+    if (pf * BS < end) prefetch_rows(v + static_cast<int64_t>(table[pf]) * v_s0 + kvh_off, BS, v_s1, DC);
     for (int64_t t = std::max<int64_t>(0, start - b * BS); t < n; ++t) {
       const T* r = vb + t * v_s1;
       for (int c = 0; c < C; ++c) {
@@ -281,6 +324,26 @@ inline void pv_all(const float* probs, int64_t start, int64_t end, int64_t G, co
 }
 #define KVPAGER_HAVE_SCORES16 1
 #endif
+
+// The largest of s[0..n): GCC leaves a std::max reduction scalar (one
+// dependent vmaxss per score: a sixth of a decode's attention time).
+inline float row_max(const float* s, int64_t n) {
+  int64_t t = 0;
+  float mx = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+  mx = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(mx);
+  for (; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float x : lanes) mx = std::max(mx, x);
+#endif
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  return mx;
+}
 
 struct Shape {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
@@ -330,16 +393,19 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
     for (int i = 0; i < d; ++i) qf[g * d + i] = static_cast<float>(qr[i]) * scale;
   }
   const int64_t first_block = start / BS, n_blocks = (end + BS - 1) / BS;
+  for (int64_t b = first_block; b < std::min(n_blocks, first_block + prefetch_blocks()); ++b) {
+    prefetch_rows(k + static_cast<int64_t>(table[b]) * sh.k_s0 + kvh * sh.k_s2, BS, sh.k_s1, d);
+    prefetch_rows(v + static_cast<int64_t>(table[b]) * sh.v_s0 + kvh * sh.v_s2, BS, sh.v_s1, d);
+  }
   for (int64_t b = first_block; b < n_blocks; ++b) {
     const int64_t blk = static_cast<int64_t>(table[b]);
     const int64_t n = std::min<int64_t>(BS, end - b * BS);
     const int64_t t_lo = std::max<int64_t>(0, start - b * BS);
     float* sb = scores + b * BS - start;  // sb[t]: key b * BS + t
     const T* kb = k + blk * sh.k_s0 + kvh * sh.k_s2;
-    if (b + 1 < n_blocks) {  // the next block's keys are in another page: start fetching them now
-      const char* next = reinterpret_cast<const char*>(k + static_cast<int64_t>(table[b + 1]) * sh.k_s0 + kvh * sh.k_s2);
-      for (int64_t t = 0; t < std::min<int64_t>(BS, 16); ++t) __builtin_prefetch(next + t * sh.k_s1 * sizeof(T));
-    }
+    // Blocks are pages of their own: the hardware prefetcher does not follow the table.
+    if (b + prefetch_blocks() < n_blocks)
+      prefetch_rows(k + static_cast<int64_t>(table[b + prefetch_blocks()]) * sh.k_s0 + kvh * sh.k_s2, BS, sh.k_s1, d);
 #ifdef KVPAGER_HAVE_SCORES16
     if constexpr (DC > 0 && DC % 16 == 0) {
       for (int64_t t0 = t_lo; t0 < n; t0 += 16)
@@ -358,9 +424,7 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
   }
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * L;
-    float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, s[t]);
+    const float mx = row_max(s, L);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < L; ++t) {
