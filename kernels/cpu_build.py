@@ -33,7 +33,7 @@ OPS = ("paged_attention", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul
 # GCC keeps the clamps and selects of the vectorisable exp/silu loops as
 # branches on AVX2 targets (no masked compares), so those loops ran scalar
 # there; results are unchanged (same IEEE operations, same rounding).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"]
 
 _lock = threading.Lock()
 _state: dict = {}

@@ -35,29 +35,69 @@ inline float rnd<float>(float x) {
   return x;
 }
 
+// bf16 <-> fp32 on the raw bits, as c10::BFloat16 converts (round to nearest
+// even, NaN kept quiet) but in a form the compiler vectorises: through the
+// c10 struct the loop below stays scalar and runs ~6x slower.
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t r = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return f != f ? static_cast<uint16_t>(0x7fc0) : r;
+}
+
+// Element access in the form the compiler vectorises: bf16 as raw bits,
+// other types as themselves.
 template <typename T>
-void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int64_t x_s, int64_t o_s, float eps,
-              T* residual, int64_t r_s, const T* delta, int64_t d_s) {
+struct Elem {
+  using S = T;
+  static float load(S x) { return static_cast<float>(x); }
+  static S store(float f) { return static_cast<S>(f); }
+};
+template <>
+struct Elem<c10::BFloat16> {
+  using S = uint16_t;
+  static float load(S x) { return bf16_to_float(x); }
+  static S store(float f) { return float_to_bf16(f); }
+};
+
+template <typename T>
+void rms_rows(const T* x_, const T* w_, T* out_, int64_t rows, int64_t n, int64_t x_s, int64_t o_s, float eps,
+              T* residual_, int64_t r_s, const T* delta_, int64_t d_s) {
+  using E = Elem<T>;
+  using S = typename E::S;
+  const S* x = reinterpret_cast<const S*>(x_);
+  const S* w = reinterpret_cast<const S*>(w_);
+  S* out = reinterpret_cast<S*>(out_);
+  S* residual = reinterpret_cast<S*>(residual_);
+  const S* delta = reinterpret_cast<const S*>(delta_);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_s;
-      T* hr = residual ? residual + r * r_s : nullptr;
+      const S* xr = x + r * x_s;
+      S* hr = residual ? residual + r * r_s : nullptr;
       if (hr) {  // h = residual + delta, stored back as T (torch's add)
-        const T* dr = delta + r * d_s;
-        for (int64_t i = 0; i < n; ++i) hr[i] = static_cast<T>(static_cast<float>(hr[i]) + static_cast<float>(dr[i]));
+        const S* dr = delta + r * d_s;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) hr[i] = E::store(E::load(hr[i]) + E::load(dr[i]));
         xr = hr;
       }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < n; ++i) {
-        const float v = static_cast<float>(xr[i]);
+        const float v = E::load(xr[i]);
         ss += v * v;
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      T* orow = out + r * o_s;
+      S* orow = out + r * o_s;
+#pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
-        const float y = rnd<T>(static_cast<float>(xr[i]) * inv);  // hidden.to(input_dtype)
-        orow[i] = static_cast<T>(static_cast<float>(w[i]) * y);    // weight * hidden
+        const float y = E::load(E::store(E::load(xr[i]) * inv));  // hidden.to(input_dtype)
+        orow[i] = E::store(E::load(w[i]) * y);                     // weight * hidden
       }
     }
   });
@@ -98,18 +138,26 @@ at::Tensor add_rms_norm(const at::Tensor& delta, const at::Tensor& residual, con
 // x * cos + rotate_half(x) * sin for one head row, each product and the sum
 // rounded to T as torch does.
 template <typename T>
-inline void rope_row(const T* __restrict x, const T* __restrict cos, const T* __restrict sin, T* __restrict out,
-                     int64_t d) {
+inline void rope_row(const T* __restrict x_, const T* __restrict cos_, const T* __restrict sin_,
+                     T* __restrict out_, int64_t d) {
+  using E = Elem<T>;
+  using S = typename E::S;
+  const S* __restrict x = reinterpret_cast<const S*>(x_);
+  const S* __restrict cos = reinterpret_cast<const S*>(cos_);
+  const S* __restrict sin = reinterpret_cast<const S*>(sin_);
+  S* __restrict out = reinterpret_cast<S*>(out_);
   const int64_t half = d / 2;
+#pragma omp simd
   for (int64_t i = 0; i < half; ++i) {  // first half: x * cos - x[i + half] * sin
-    const float a = rnd<T>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
-    const float b = rnd<T>(-static_cast<float>(x[i + half]) * static_cast<float>(sin[i]));
-    out[i] = static_cast<T>(a + b);
+    const float a = E::load(E::store(E::load(x[i]) * E::load(cos[i])));
+    const float b = E::load(E::store(-E::load(x[i + half]) * E::load(sin[i])));
+    out[i] = E::store(a + b);
   }
+#pragma omp simd
   for (int64_t i = half; i < d; ++i) {  // second half: x * cos + x[i - half] * sin
-    const float a = rnd<T>(static_cast<float>(x[i]) * static_cast<float>(cos[i]));
-    const float b = rnd<T>(static_cast<float>(x[i - half]) * static_cast<float>(sin[i]));
-    out[i] = static_cast<T>(a + b);
+    const float a = E::load(E::store(E::load(x[i]) * E::load(cos[i])));
+    const float b = E::load(E::store(E::load(x[i - half]) * E::load(sin[i])));
+    out[i] = E::store(a + b);
   }
 }
 
@@ -168,22 +216,6 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
     });
   });
   return q;
-}
-
-// bf16 <-> fp32 on the raw bits, as c10::BFloat16 converts (round to nearest
-// even, NaN kept quiet) but in a form the compiler vectorises: through the
-// c10 struct the loop below stays scalar and runs ~6x slower.
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const uint16_t r = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  return f != f ? static_cast<uint16_t>(0x7fc0) : r;
 }
 
 template <typename T>
