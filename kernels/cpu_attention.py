@@ -5,7 +5,9 @@ Same signatures as ``kernels.reference``. Sequences with short queries
 that walks each block table with an online softmax: no gathered copy of the
 context per layer and step. Long prefill chunks, where attention is compute
 rather than memory bound, keep the reference's path (one sequence's context
-gathered once, then ``scaled_dot_product_attention``'s flash kernel).
+gathered once, then ``scaled_dot_product_attention``'s flash kernel), in the
+model's dtype rather than the reference's fp32 (bf16 SDPA runs on bf16
+matrix units).
 
 The C++ is built on first use (``kernels.cpu_build``); ``available()`` says
 whether it did. Without a compiler the executor uses the torch reference.
@@ -84,6 +86,6 @@ def paged_attention(
         torch.ops.kvpager_cpu.paged_attention(out, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
                                               qsl.contiguous(), plan.short_seqs, float(scale), int(window or 0),
                                               float(softcap or 0.0))
-    for c in plan.long_chunks:
-        reference._attend_prefill(q, k_cache, v_cache, c, scale, out, softcap)
+    for c in plan.long_chunks:  # in the model's dtype: the reference upcasts to fp32
+        reference._attend_prefill(q, k_cache, v_cache, c, scale, out, softcap, native=True)
     return out

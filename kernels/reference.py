@@ -250,14 +250,15 @@ def _plan_prefill(block_tables, s: int, qsl, lens, block_size: int, num_blocks: 
 
 
 def _attend_prefill(q, k_cache, v_cache, p: _Prefill, scale: float, out: torch.Tensor,
-                    softcap: float | None = None) -> None:
-    """One chunk: its context gathered once, then SDPA; writes out[p.start:p.stop]."""
+                    softcap: float | None = None, native: bool = False) -> None:
+    """One chunk: its context gathered once, then SDPA; writes out[p.start:p.stop].
+    ``native``: attend in q's dtype (see ``_attend``), not upcast to fp32."""
     k = _gather(k_cache, p.gather)  # [1, L, KVH, D]
     v = _gather(v_cache, p.gather)
     qs = q[p.start : p.stop].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
     # No cached context: plain causal (the kernel skips masked blocks).
     o = _attend(qs, k.transpose(1, 2), v.transpose(1, 2), p.mask, scale, is_causal=p.mask is None,
-                softcap=softcap)
+                softcap=softcap, native=native)
     out[p.start : p.stop] = o[0].transpose(0, 1).to(out.dtype)
 
 
@@ -278,15 +279,20 @@ def _attend_softcap(q, k, v, mask: Optional[torch.Tensor], scale: float, softcap
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-    is_causal: bool = False, softcap: float | None = None,
+    is_causal: bool = False, softcap: float | None = None, native: bool = False,
 ) -> torch.Tensor:
     """fp32 masked attention with GQA.
 
     q: [B, H, M, D]; k, v: [B, KVH, N, D]; mask: bool broadcastable to
     [B, H, M, N] (True = attend), or None with ``is_causal`` (M == N)
-    -> [B, H, M, D] fp32.
+    -> [B, H, M, D] fp32. ``native`` (no soft-capping): SDPA in the inputs'
+    dtype -> [B, H, M, D] in it. For bf16 that is the arithmetic of
+    transformers' eager bf16 attention (bf16 products with fp32 sums, fp32
+    softmax, bf16 probabilities times V) at 2.5-3x the speed of the fp32
+    upcast on a CPU with AMX (docs/benchmarks.md).
     """
-    q, k, v = q.float(), k.float(), v.float()
+    if not (native and not softcap):
+        q, k, v = q.float(), k.float(), v.float()
     if softcap:
         return _attend_softcap(q, k, v, mask, scale, softcap)
     group = q.shape[1] // k.shape[1]
