@@ -226,8 +226,18 @@ void silu_mul_rows(const T* src, T* op, int64_t rows, int64_t I, int64_t s0) {
         const uint16_t* g = reinterpret_cast<const uint16_t*>(src + t * s0);
         const uint16_t* u = g + I;
         uint16_t* o = reinterpret_cast<uint16_t*>(op + t * I);
-#pragma omp simd
-        for (int64_t i = 0; i < I; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        // Explicit vectors: GCC's form of the loop below ran 2.5x slower than fp32.
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= I; i += 16) {
+          const __m512 x = kvpager::bf16x16_load(g + i);
+          const __m512 e = kvpager::vexp16(_mm512_xor_ps(x, _mm512_set1_ps(-0.f)));  // -x
+          const __m512 a = kvpager::bf16x16_round(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+          kvpager::bf16x16_store(o + i, _mm512_mul_ps(a, kvpager::bf16x16_load(u + i)));
+        }
+#endif
+        for (; i < I; ++i) {
           const float x = bf16_to_float(g[i]);
           const float a = bf16_to_float(float_to_bf16(x / (1.f + kvpager::vexp(-x))));
           o[i] = float_to_bf16(a * bf16_to_float(u[i]));

@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace kvpager {
 
@@ -34,5 +37,50 @@ inline float vexp(float in) {
   r = in < -87.0f ? 0.0f : r;
   return in != in ? in : r;
 }
+
+#if defined(__AVX512F__)
+// The same function on sixteen lanes, operation for operation (separate
+// multiplies and adds, as the scalar form is compiled with
+// -ffp-contract=off), so both give identical results.
+inline __m512 vexp16(__m512 in) {
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(in, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+  const __m512 f = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_add_ps(_mm512_mul_ps(y, f), _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, f), _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, f), _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, f), _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, f), _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, f), f), f), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 r = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+  r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, _mm512_set1_ps(88.0f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
+  r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q), in);
+}
+
+// Sixteen bf16 (raw bits) widened to fp32, and fp32 rounded to bf16 exactly
+// as c10::BFloat16 rounds (to nearest even; NaN -> 0x7fc0; subnormals kept,
+// unlike the AVX512-BF16 conversion instruction, which flushes them).
+inline __m512 bf16x16_load(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512i bf16x16_round_bits(__m512 f) {  // the bf16 in the low 16 bits of each lane
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+inline __m512 bf16x16_round(__m512 f) {  // f rounded to bf16, as fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16x16_round_bits(f), 16));
+}
+inline void bf16x16_store(uint16_t* p, __m512 f) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16x16_round_bits(f)));
+}
+#endif
 
 }  // namespace kvpager
