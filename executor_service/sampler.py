@@ -213,8 +213,12 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
     token_ids = torch.empty(num_total, dtype=torch.int64, device=device)
     temperature = inputs.temperature[sample_row]
     greedy = temperature <= 0
-    if bool(greedy.any()):
-        token_ids[greedy] = adjusted[sample_row[greedy]].argmax(dim=-1)
+    # max(dim).indices: argmax's answer (the first of tied maxima, NaN as the
+    # maximum) at a third of its time on CPU (0.74 -> 0.25 ms for 32 x 32,000).
+    if bool(greedy.all()) and bool((inputs.num_samples == 1).all()):  # one greedy sample a row: no gather
+        token_ids = adjusted.max(dim=-1).indices
+    elif bool(greedy.any()):
+        token_ids[greedy] = adjusted[sample_row[greedy]].max(dim=-1).indices
     rand = ~greedy
     if bool(rand.any()):
         r = sample_row[rand]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from executor_service.sampler import SamplingInputs, apply_top_k_top_p, hash_uniform, sample, splitmix64
@@ -66,6 +67,21 @@ def test_greedy_is_argmax_and_ignores_seeds():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     out = sample(logits, _inputs(3, temperature=0.0, num_samples=2))
     assert out.token_ids.tolist() == logits.argmax(-1).repeat_interleave(2).tolist()
+
+
+@pytest.mark.parametrize("num_samples", [1, 2])
+def test_greedy_takes_the_first_of_tied_maxima_and_a_nan_as_argmax_does(num_samples):
+    """bf16 logits tie often: the greedy token is the first maximal one, as
+    transformers' argmax takes it (one sample a row takes a gather-free path)."""
+    logits = torch.zeros(4, 64)
+    logits[0, [5, 9, 40]] = 3.0          # tie: 5
+    logits[1, :] = 1.0                   # all tied: 0
+    logits[2, [7, 63]] = float("inf")    # tie of infinities: 7
+    logits[3, [2, 30]] = 2.0
+    logits[3, 11] = float("nan")         # NaN wins, as in argmax
+    out = sample(logits, _inputs(4, temperature=0.0, num_samples=num_samples))
+    assert out.token_ids.tolist() == torch.argmax(logits, -1).repeat_interleave(num_samples).tolist() == [
+        t for t in (5, 0, 7, 11) for _ in range(num_samples)]
 
 
 def test_top_k_keeps_exactly_the_k_best():
