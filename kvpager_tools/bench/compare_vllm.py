@@ -9,8 +9,11 @@ dependency of kvpager); ``--setup-vllm VENV`` builds that venv (idempotent),
 three-process stack (``kvpager up``'s defaults, the executor's own thread and
 allocator settings), all prompts at once through the gateway.
 
+Both engines are loaded side by side and their timed rounds interleaved
+(vLLM, kvpager, vLLM, ...), so a drift of the machine's speed touches both.
 Reports ``kvpager_tok_s``, ``vllm_tok_s``, ``ratio_vs_vllm`` (medians over
-rounds; generated tokens / wall time of a round), every round's time, the
+rounds; generated tokens / wall time of a round), ``paired_ratios`` (each
+kvpager round over the vLLM round before it), every round's time, the
 settings of both, and parity: in float32 each engine's outputs against
 transformers' own ``generate`` (greedy, eager, fixed length); in bfloat16 each
 engine's agreement with transformers' bfloat16 ``generate`` (random weights
@@ -94,25 +97,75 @@ def setup_vllm(venv: Path) -> Path:
     return python
 
 
-def run_vllm(python: Path, model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, rounds: int,
-             timeout_s: float) -> dict:
-    max_len = max(len(p) for p in prompts) + max_new_tokens + 1
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-        path = f.name
-    try:
-        cmd = [str(python), str(RUNNER), "--model", model, "--dtype", dtype, "--prompts-json", path,
-               "--max-tokens", str(max_new_tokens), "--rounds", str(rounds),
+class VllmSession:
+    """vLLM offline in a subprocess of its own venv (``vllm_runner.py
+    --interactive``), loaded and warmed up once, then driven one round at a
+    time, so the caller can interleave its rounds with kvpager's: on a shared
+    machine whose speed drifts by 10-20% over minutes, rounds run back to back
+    per engine would measure the drift as much as the engines."""
+
+    def __init__(self, python: Path, model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int,
+                 timeout_s: float) -> None:
+        max_len = max(len(p) for p in prompts) + max_new_tokens + 1
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(prompts, f)
+            self._prompts_path = f.name
+        cmd = [str(python), str(RUNNER), "--model", model, "--dtype", dtype, "--prompts-json", self._prompts_path,
+               "--max-tokens", str(max_new_tokens), "--interactive",
                "--max-model-len", str(max(512, max_len)), "--max-num-seqs", str(max(32, len(prompts)))]
         bc.progress(NAME, f"vLLM: {' '.join(cmd[1:])}")
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, timeout=timeout_s)
-    finally:
-        os.unlink(path)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    result = json.loads(lines[-1]) if lines else {"error": f"no output (exit {proc.returncode})"}
-    if "error" in result:
-        raise RuntimeError(f"vLLM run failed: {result['error']}")
-    return result
+        self.timeout_s = timeout_s
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr,
+                                      text=True)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        """The runner's next JSON line (its stdout carries nothing else)."""
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self._proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                self.close()
+                raise RuntimeError(f"vLLM run timed out after {self.timeout_s:g}s")
+            line = self._proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"vLLM runner exited (code {self._proc.wait()}) without an answer")
+            if line.startswith("{"):
+                out = json.loads(line)
+                if "error" in out:
+                    raise RuntimeError(f"vLLM run failed: {out['error']}")
+                return out
+
+    def _send(self, command: str) -> dict:
+        self._proc.stdin.write(command + "\n")
+        self._proc.stdin.flush()
+        return self._read()
+
+    def round(self) -> dict:
+        """One timed round: {"wall_s", "tok_s", "load"}."""
+        return self._send("round")
+
+    def finish(self) -> dict:
+        """Every round, the last round's outputs and the settings (the runner exits)."""
+        out = self._send("end")
+        self._proc.wait(timeout=120)
+        return out
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        if os.path.exists(self._prompts_path):
+            os.unlink(self._prompts_path)
+
+    def __enter__(self) -> "VllmSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # ---- transformers reference --------------------------------------------------------------
@@ -154,43 +207,55 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
 
 def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
             vllm_python: Path, vllm_timeout_s: float = 1800.0, parity_sample: int | None = None,
-            max_batch_tokens: int = 0, max_running: int = 0) -> dict:
+            max_batch_tokens: int = 0, max_running: int = 0, settle_s: float = 1.0) -> dict:
+    """Both engines loaded side by side, their timed rounds interleaved
+    (vLLM, kvpager, vLLM, ...; ``settle_s`` between rounds for the other
+    engine's spinning OpenMP threads to sleep)."""
     n = len(prompts)
     total_new = n * max_new_tokens
-    vllm = run_vllm(vllm_python, model, dtype, prompts, max_new_tokens, repeats, vllm_timeout_s)
     need_blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
     opts = bc.StackOptions(model=model, dtype=dtype, num_blocks=max(256, need_blocks + 64),
                            max_batch_tokens=max_batch_tokens, max_running=max_running)
-    kv_times, kv_outs = [], []
-    bc.progress(NAME, f"kvpager: starting the stack ({dtype})")
-    with bc.embedded_stack(opts) as stack:
-        gw = stack.addresses.gateway
-        kvpager_run(gw, prompts, max_new_tokens, "warmup")  # the whole workload once: every shape, the allocator
-        for r in range(repeats):
-            bc.progress(NAME, f"kvpager round {r + 1}/{repeats}")
-            load = os.getloadavg()[0]
-            dt, kv_outs = kvpager_run(gw, prompts, max_new_tokens, f"round-{r}")
-            kv_times.append({"wall_s": round(dt, 3), "tok_s": round(total_new / dt, 1), "loadavg_1m": load})
+    kv_times, kv_outs, vllm_rounds = [], [], []
+    with VllmSession(vllm_python, model, dtype, prompts, max_new_tokens, vllm_timeout_s) as vllm:
+        bc.progress(NAME, f"vLLM ready (load {vllm.ready['load_s']:.0f}s); kvpager: starting the stack ({dtype})")
+        with bc.embedded_stack(opts) as stack:
+            gw = stack.addresses.gateway
+            kvpager_run(gw, prompts, max_new_tokens, "warmup")  # the whole workload once: every shape, the allocator
+            for r in range(repeats):
+                time.sleep(settle_s)
+                vllm_rounds.append(vllm.round())
+                time.sleep(settle_s)
+                bc.progress(NAME, f"round {r + 1}/{repeats}: vLLM {vllm_rounds[-1]['tok_s']:.1f} tok/s")
+                load = os.getloadavg()[0]
+                dt, kv_outs = kvpager_run(gw, prompts, max_new_tokens, f"round-{r}")
+                kv_times.append({"wall_s": round(dt, 3), "tok_s": round(total_new / dt, 1), "loadavg_1m": load})
+                bc.progress(NAME, f"round {r + 1}/{repeats}: kvpager {kv_times[-1]['tok_s']:.1f} tok/s")
+        final = vllm.finish()
     k = n if parity_sample is None else min(parity_sample, n)
     bc.progress(NAME, f"transformers {dtype} generate on {k} prompts (the reference)")
     ref = hf_reference(model, dtype, prompts[:k], max_new_tokens)
     kv_tok_s = statistics.median(t["tok_s"] for t in kv_times)
-    vllm_tok_s = statistics.median(vllm["tok_s"])
+    vllm_tok_s = statistics.median(r["tok_s"] for r in vllm_rounds)
+    paired = [round(k_["tok_s"] / v["tok_s"], 3) for k_, v in zip(kv_times, vllm_rounds)]
     return {
         "benchmark": NAME, "model": model, "dtype": dtype, "num_prompts": n, "max_new_tokens": max_new_tokens,
         "input_len_mean": round(statistics.fmean(len(p) for p in prompts), 1), "repeats": repeats,
         "kvpager_tok_s": round(kv_tok_s, 1), "vllm_tok_s": round(vllm_tok_s, 1),
         "ratio_vs_vllm": round(kv_tok_s / vllm_tok_s, 3),
-        "rounds": {"kvpager": kv_times,
-                   "vllm": [{"wall_s": round(w, 3), "tok_s": round(t, 1), **lo}
-                            for w, t, lo in zip(vllm["wall_s"], vllm["tok_s"], vllm["load_avg"]["rounds"])]},
+        # Each kvpager round over the vLLM round just before it: drift of the machine cancels.
+        "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
+        "rounds": {"order": "interleaved: vLLM then kvpager, per round",
+                   "kvpager": kv_times,
+                   "vllm": [{"wall_s": round(v["wall_s"], 3), "tok_s": round(v["tok_s"], 1), **v["load"]}
+                            for v in vllm_rounds]},
         "parity": {"reference": f"transformers generate ({dtype}, greedy, eager)",
-                   "kvpager": agreement(kv_outs[:k], ref), "vllm": agreement(vllm["outputs"][:k], ref),
-                   "kvpager_vs_vllm": agreement(kv_outs, vllm["outputs"])},
+                   "kvpager": agreement(kv_outs[:k], ref), "vllm": agreement(final["outputs"][:k], ref),
+                   "kvpager_vs_vllm": agreement(kv_outs, final["outputs"])},
         "settings": {"kvpager": {"stack": "kvpager up defaults", "dtype": dtype, "num_blocks": opts.num_blocks,
                                  "max_batch_tokens": max_batch_tokens or "default",
                                  "max_running": max_running or "default"},
-                     "vllm": vllm["settings"]},
+                     "vllm": final["settings"]},
     }
 
 

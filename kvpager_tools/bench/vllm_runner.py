@@ -127,6 +127,10 @@ def parse_args(argv=None):
                    help="before each round wait up to this many seconds for other processes to use "
                    "< --quiet-frac of the CPUs (shared machines); 0 = don't wait")
     p.add_argument("--quiet-frac", type=float, default=0.1)
+    p.add_argument("--interactive", action="store_true",
+                   help="after the warm-up print {\"ready\": ...}, then run one round per line 'round' read "
+                   "from stdin (one JSON line each) until 'end' (the usual summary); lets a caller interleave "
+                   "these rounds with another engine's")
     p.add_argument("--no-reexec", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -260,7 +264,8 @@ def main(argv=None) -> int:
                     return
                 log(f"waiting for a quiet machine: other processes use {frac:.0%} of the CPUs")
 
-        for r in range(args.rounds):
+        def one_round(label: str) -> None:
+            nonlocal outputs
             if args.quiet_wait > 0:
                 wait_quiet()
             la = loadavg()
@@ -276,7 +281,21 @@ def main(argv=None) -> int:
             tok_s.append(got / wall)
             other = contention(snap, cpu_snapshot(), wall)
             loads.append({"before": la, "after": loadavg(), "other_cpu_frac": other})
-            log(f"round {r + 1}/{args.rounds}: {wall:.2f}s  {tok_s[-1]:.1f} tok/s  load {loads[-1]['after']}  other-procs CPU {other}")
+            log(f"round {label}: {wall:.2f}s  {tok_s[-1]:.1f} tok/s  load {loads[-1]['after']}  other-procs CPU {other}")
+
+        if args.interactive:
+            emit({"ready": True, "load_s": load_s, "warmup_s": warm_s})
+            for line in sys.stdin:
+                command = line.strip()
+                if command == "end":
+                    break
+                if command != "round":
+                    raise ValueError(f"unknown command {command!r} (round | end)")
+                one_round(str(len(walls) + 1))
+                emit({"wall_s": walls[-1], "tok_s": tok_s[-1], "load": loads[-1]})
+        else:
+            for r in range(args.rounds):
+                one_round(f"{r + 1}/{args.rounds}")
 
         import torch
         import vllm
@@ -294,7 +313,8 @@ def main(argv=None) -> int:
                     "num_prompts": len(prompts),
                     "prompt_lens": [len(p) for p in prompts],
                     "max_tokens": args.max_tokens,
-                    "rounds": args.rounds,
+                    "rounds": len(walls),
+                    "interactive": args.interactive,
                     "quiet_wait": args.quiet_wait,
                     "warmup": args.warmup,
                     "warmup_max_tokens": warm_tokens,
