@@ -110,20 +110,22 @@ class MemoryServer:
 
     async def start(self) -> MemoryServer:
         """Serve; with a mirror, health stays NOT_SERVING until recovery is done."""
-        await self.runtime.start()
-        if self.http is not None:
-            try:
-                await self.http.start()
-            except OSError:
-                await self.runtime.stop(0)
-                raise
-        if self.mirror is not None:
-            await self.mirror.start()
-            self.state.recovering = True
-            try:
+        # Recovering from before the first RPC can arrive: a registration let
+        # through while the mirror connects would reset the record recovery reads.
+        self.state.recovering = self.mirror is not None
+        try:
+            await self.runtime.start()
+            if self.http is not None:
+                try:
+                    await self.http.start()
+                except OSError:
+                    await self.runtime.stop(0)
+                    raise
+            if self.mirror is not None:
+                await self.mirror.start()
                 await self._recover()
-            finally:
-                self.state.recovering = False
+        finally:
+            self.state.recovering = False
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
         await self.runtime.set_serving(True)
         return self

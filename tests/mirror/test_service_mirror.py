@@ -236,10 +236,11 @@ async def test_restart_recovery_rebuilds_confirmed_executors_only(redis_proc):
 
 async def test_an_executor_registering_during_recovery_waits_and_its_cache_is_rebuilt(redis_proc):
     """The executor re-registers (its heartbeat found the old service gone)
-    while the new service still confirms its pool. Registered at once, its
-    empty pool would make the writer reset the executor's record, reverse
-    index included, before recovery read it: a restart under load then
-    rebuilt nothing (the memory-restart drill failed that way, now and then)."""
+    while the new service still connects its mirror, or confirms the pool.
+    Registered at once, its empty pool would make the writer reset the
+    executor's record, reverse index included, before recovery read it: a
+    restart under load then rebuilt nothing (the memory-restart drill failed
+    that way, now and then, in both windows)."""
     good = FakeExecutor(11, 3)
     server, addr = await serve_fake(good)
     config = MemoryConfig(port=free_port(), redis_url=redis_proc.url, confirm_timeout_s=2.0)
@@ -255,12 +256,23 @@ async def test_an_executor_registering_during_recovery_waits_and_its_cache_is_re
     good.last_step_id = 2
     good.gate.clear()
     second = MemoryServer(config)
-    starting = asyncio.create_task(second.start())
     c = Client(second.address)
+    os.kill(redis_proc.pid, signal.SIGSTOP)  # the new service's mirror connects slowly: its first window
+    starting = asyncio.create_task(second.start())
+    registering = None
     try:
-        while good.calls == 0:
+        while True:  # serving RPCs (health NOT_SERVING) while the mirror still connects
+            try:
+                await c.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.2)
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.01)
+        registering = asyncio.ensure_future(c.register(pool_info("e0", 11, addr, pool_generation=3)))
+        await asyncio.sleep(0.3)  # ample for a registration, were it let through
+        assert not registering.done()
+        os.kill(redis_proc.pid, signal.SIGCONT)
+        while good.calls == 0:  # recovery asks the executor: the second window
             await asyncio.sleep(0.01)
-        registering = asyncio.create_task(c.register(pool_info("e0", 11, addr, pool_generation=3)))
         await asyncio.sleep(0.3)  # ample for a registration and a mirror flush, were either let through
         assert not registering.done()
         assert second.state.manager.executors == {}
@@ -273,6 +285,9 @@ async def test_an_executor_registering_during_recovery_waits_and_its_cache_is_re
         await second.mirror.sync()
         assert mirror_problems(sync_client(redis_proc.url), second.state) == []
     finally:
+        os.kill(redis_proc.pid, signal.SIGCONT)
+        if registering is not None:
+            registering.cancel()
         await c.close()
         await second.stop(0)
         await server.stop(0)
