@@ -108,13 +108,7 @@ class GatewayServer:
         return self.http.url if self.http is not None else None
 
     async def start(self) -> GatewayServer:
-        await self.runtime.start()
-        if self.http is not None:
-            try:
-                await self.http.start()
-            except OSError:
-                await self.runtime.stop(0)
-                raise
+        await self.runtime.start_with(self.http)
         await self.engine.start()
         loop = asyncio.get_running_loop()
         self._watch = loop.create_task(self._track_readiness())

@@ -200,6 +200,18 @@ class ServiceRuntime:
         for service in ("", *self.service_names):
             await self.health.set(service, status)
 
+    async def start_with(self, http=None) -> None:
+        """Starts the gRPC server, then ``http`` beside it (an
+        ``kvpager.asgi.AsgiServer``, or None); when the HTTP port cannot be
+        bound the gRPC server is stopped again and the OSError raised."""
+        await self.start()
+        if http is not None:
+            try:
+                await http.start()
+            except OSError:
+                await self.stop(0)
+                raise
+
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING for everything, then a graceful stop: in-flight RPCs get
         ``grace_s`` to finish, new ones are refused. Safe to call twice."""

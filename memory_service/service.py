@@ -114,13 +114,7 @@ class MemoryServer:
         # through while the mirror connects would reset the record recovery reads.
         self.state.recovering = self.mirror is not None
         try:
-            await self.runtime.start()
-            if self.http is not None:
-                try:
-                    await self.http.start()
-                except OSError:
-                    await self.runtime.stop(0)
-                    raise
+            await self.runtime.start_with(self.http)
             if self.mirror is not None:
                 await self.mirror.start()
                 await self._recover()
