@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 from kvpager_tools.bench import common as bc
 from kvpager_tools.bench.compare_hf import kvpager_run, make_prompts
@@ -161,7 +162,7 @@ class VllmSession:
         if os.path.exists(self._prompts_path):
             os.unlink(self._prompts_path)
 
-    def __enter__(self) -> "VllmSession":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
