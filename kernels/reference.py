@@ -281,7 +281,7 @@ def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
     is_causal: bool = False, softcap: float | None = None, native: bool = False,
 ) -> torch.Tensor:
-    """fp32 masked attention with GQA.
+    """Masked attention with GQA, in fp32 (or the inputs' dtype, see ``native``).
 
     q: [B, H, M, D]; k, v: [B, KVH, N, D]; mask: bool broadcastable to
     [B, H, M, N] (True = attend), or None with ``is_causal`` (M == N)
@@ -291,7 +291,7 @@ def _attend(
     softmax, bf16 probabilities times V) at 2.5-3x the speed of the fp32
     upcast on a CPU with AMX (docs/benchmarks.md).
     """
-    if not (native and not softcap):
+    if softcap or not native:
         q, k, v = q.float(), k.float(), v.float()
     if softcap:
         return _attend_softcap(q, k, v, mask, scale, softcap)
