@@ -3,11 +3,13 @@
 Same signatures as ``kernels.reference``. Sequences with short queries
 (decodes, small chunks) go to a C++ kernel (``kernels/cpu/paged_attention.cpp``)
 that walks each block table with an online softmax: no gathered copy of the
-context per layer and step. Long prefill chunks, where attention is compute
-rather than memory bound, keep the reference's path (one sequence's context
-gathered once, then ``scaled_dot_product_attention``'s flash kernel), in the
-model's dtype rather than the reference's fp32 (bf16 SDPA runs on bf16
-matrix units).
+context per layer and step. So do prefill chunks small enough that the
+kernel's vector arithmetic beats a separate SDPA call for the sequence (its
+fixed cost is a gather, a mask and a dispatch per layer). Larger chunks,
+where attention is compute rather than memory bound, keep the reference's
+path (one sequence's context gathered once, then
+``scaled_dot_product_attention``'s flash kernel), in the model's dtype rather
+than the reference's fp32 (bf16 SDPA runs on bf16 matrix units).
 
 The C++ is built on first use (``kernels.cpu_build``); ``available()`` says
 whether it did. Without a compiler the executor uses the torch reference.
@@ -22,9 +24,13 @@ import torch
 
 from kernels import cpu_build, reference
 
-# Queries up to this long per sequence use the in-place kernel; longer prefill
-# chunks gather once and use SDPA.
+# Queries up to this long per sequence always use the in-place kernel.
 SHORT_QUERY = 16
+# Longer chunks use it too while (query rows x attended context) stays within
+# this many pairs for the pool's dtype; past it, the chunk's gather + SDPA
+# wins. The crossovers measured on an AVX-512 + AMX Xeon (docs/kernels.md):
+# 16-bit SDPA reaches the matrix units, so it wins sooner than fp32 does.
+IN_PLACE_PAIRS = {torch.float32: 32768, torch.bfloat16: 8192, torch.float16: 8192}
 
 
 def available() -> bool:
@@ -36,19 +42,24 @@ def available() -> bool:
 class CpuAttentionPlan:
     """One forward's split of the batch, shared by every layer."""
 
-    short_seqs: torch.Tensor                  # [Ss] int64: sequences for the in-place kernel
+    in_place_seqs: torch.Tensor               # [Ss] int64: sequences for the in-place kernel
     long_chunks: list = field(default_factory=list)  # [reference._Prefill]: gathered once, SDPA
     window: int | None = None                     # the sliding window it was planned for
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   block_size: int, num_blocks: int, window: int | None = None) -> CpuAttentionPlan:
+                   block_size: int, num_blocks: int, window: int | None = None,
+                   dtype: torch.dtype | None = None) -> CpuAttentionPlan:
+    """``dtype``: the KV pool's (picks ``IN_PLACE_PAIRS``); None = only queries
+    up to ``SHORT_QUERY`` in place."""
     qsl = query_start_loc.to(torch.int64)
     lens = seq_lens.to(torch.int64)
     q_lens = qsl[1:] - qsl[:-1]
-    short = torch.nonzero(q_lens <= SHORT_QUERY).flatten()
-    plan = CpuAttentionPlan(short_seqs=short.contiguous(), window=window)
-    for s in torch.nonzero(q_lens > SHORT_QUERY).flatten().tolist():
+    # The context a chunk's queries attend (a window bounds it).
+    attended = lens if window is None else torch.minimum(lens, q_lens + window - 1)
+    in_place = (q_lens <= SHORT_QUERY) | (q_lens * attended <= IN_PLACE_PAIRS.get(dtype, 0))
+    plan = CpuAttentionPlan(in_place_seqs=torch.nonzero(in_place).flatten().contiguous(), window=window)
+    for s in torch.nonzero(~in_place).flatten().tolist():
         plan.long_chunks.append(reference._plan_prefill(block_tables, s, qsl, lens, block_size, num_blocks,
                                                         block_tables.device, window))
     return plan
@@ -78,13 +89,13 @@ def paged_attention(
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
     if plan is None:
-        plan = plan_attention(tables, lens, qsl, k_cache.shape[1], k_cache.shape[0], window)
+        plan = plan_attention(tables, lens, qsl, k_cache.shape[1], k_cache.shape[0], window, k_cache.dtype)
     elif plan.window != window:
         raise ValueError(f"attention plan made for window {plan.window}, called with {window}")
-    if plan.short_seqs.numel():
+    if plan.in_place_seqs.numel():
         # 0 = no window / no soft-capping in the C++ signature.
         torch.ops.kvpager_cpu.paged_attention(out, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
-                                              qsl.contiguous(), plan.short_seqs, float(scale), int(window or 0),
+                                              qsl.contiguous(), plan.in_place_seqs, float(scale), int(window or 0),
                                               float(softcap or 0.0))
     for c in plan.long_chunks:  # in the model's dtype: the reference upcasts to fp32
         reference._attend_prefill(q, k_cache, v_cache, c, scale, out, softcap, native=True)

@@ -12,10 +12,11 @@ pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="the C++ CPU k
 
 MIXES = {
     "decode": ([1, 70, 9, 130, 16, 17], [1, 1, 1, 1, 1, 1]),
-    "mixed": ([5, 70, 9, 33, 300], [5, 1, 3, 1, 40]),          # short chunks in C++, a long one via SDPA
+    "mixed": ([5, 70, 9, 33, 300], [5, 1, 3, 1, 40]),          # a 40-row chunk: in place in fp32, SDPA in 16-bit
     "prefix_hit": ([150, 20], [13, 20]),
-    "long_prefill": ([90], [90]),
-    "spec_like": ([50, 64], [16, 16]),                         # the longest query the C++ kernel takes
+    "long_prefill": ([90], [90]),                              # in place (8,100 pairs)
+    "spec_like": ([50, 64], [16, 16]),                         # the longest query always in place
+    "long_chunk": ([600, 40], [300, 40]),                      # 180,000 pairs via SDPA beside one in place
 }
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -45,6 +46,27 @@ def test_attention_dtypes_head_dims(dtype, head_dim):
     got = cpu_attention.paged_attention(*batch.args())
     assert got.dtype == dtype and got.shape == batch.q.shape
     torch.testing.assert_close(got.float(), R.paged_attention(*batch.args()).float(), **TOL[dtype])
+
+
+def test_plan_splits_chunks_by_work_and_dtype():
+    """Short queries always go in place; longer chunks while query rows x
+    context stays within the dtype's budget; None keeps only short queries."""
+    seq_lens, q_lens = [5, 300, 90, 600], [5, 40, 90, 300]  # pairs: 25, 12,000, 8,100, 180,000
+    batch = make_paged_batch(seq_lens, q_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                             dtype=torch.float32)
+
+    def split(dtype, window=None):
+        plan = cpu_attention.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 16,
+                                            batch.k_cache.shape[0], window, dtype)
+        return plan.in_place_seqs.tolist(), [c.start for c in plan.long_chunks]
+
+    assert split(torch.float32) == ([0, 1, 2], [5 + 40 + 90])
+    assert split(torch.bfloat16) == ([0, 2], [5, 5 + 40 + 90])
+    assert split(torch.float16) == split(torch.bfloat16)
+    assert split(None) == ([0], [5, 45, 135])
+    # a window bounds the attended context: 300 rows x (300 + 16 - 1) keys is still over budget
+    assert split(torch.float32, window=16) == ([0, 1, 2], [135])
+    assert split(torch.bfloat16, window=8) == ([0, 1, 2], [135])  # 40 x 47 in budget now
 
 
 def test_attention_ignores_garbage_past_each_length():

@@ -15,7 +15,8 @@ from kernels.testing import contiguous_attention, drop_out_of_window, make_paged
 MIXES = {
     # name: (seq_lens, q_lens)
     "decode": ([1, 70, 9, 130, 33], [1, 1, 1, 1, 1]),
-    "mixed": ([5, 70, 9, 33, 120], [5, 1, 3, 1, 40]),  # a long chunk (SDPA path of the cpu backend)
+    "mixed": ([5, 70, 9, 33, 120], [5, 1, 3, 1, 40]),  # a 40-row chunk (in place in the cpu backend's fp32)
+    "long_chunk": ([700, 20], [300, 20]),  # a chunk over the in-place budget (the cpu backend's SDPA path)
     "prefix_hit": ([150, 20], [13, 20]),
     "chunk_spans_windows": ([100], [100]),
 }
