@@ -94,6 +94,13 @@ def preflight(args: argparse.Namespace) -> None:
 SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "plan_ahead")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     """The continuous-batching loop's options (one definition: the gateway's
     parser and `kvpager up` both call this)."""
@@ -103,6 +110,10 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
                    help="step order: priority (default: a request's priority, lower first, then FCFS among "
                         "equals) or fcfs (arrival only; priorities ignored)")
+    g.add_argument("--stream-interval", type=_positive_int, default=1,
+                   help="tokens per streamed response for requests that set no stream_interval (default 1: "
+                        "every step; larger values send fewer, larger deltas, which costs the gateway and "
+                        "clients less per token)")
     g.add_argument("--max-batch-tokens", type=int, default=512, help="tokens each executor computes per step")
     g.add_argument("--max-running", type=int, default=64, help="sequences each executor runs per step")
     g.add_argument("--max-waiting", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
@@ -114,7 +125,8 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
 def scheduling_argv(args: argparse.Namespace) -> list[str]:
     """The gateway flags that reproduce ``args``' scheduling options."""
     argv = ["--policy", args.policy, "--max-batch-tokens", str(args.max_batch_tokens),
-            "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting)]
+            "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting),
+            "--stream-interval", str(args.stream_interval)]
     if not args.plan_ahead:
         argv.append("--no-plan-ahead")
     return argv
@@ -168,6 +180,7 @@ def config_from_args(args: argparse.Namespace):
                                              max_waiting=args.max_waiting, max_n=args.max_n, policy=args.policy,
                                              load_weight_tokens=args.load_weight_tokens,
                                              max_prompt_tokens=args.max_prompt_tokens,
+                                             stream_interval=args.stream_interval,
                                              step_timeout_s=args.step_timeout_s, plan_ahead=args.plan_ahead,
                                              executor_info_timeout_s=args.executor_info_timeout_s,
                                              caps=caps, recovery=RecoveryConfig(args.max_retries,

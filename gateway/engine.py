@@ -55,6 +55,7 @@ class EngineConfig:
     executor_info_timeout_s: float = 2.0  # an executor's GetInfo when it joins (then retried with backoff)
     load_weight_tokens: float = 16.0  # routing: one queued sequence costs this many prefix tokens
     max_prompt_tokens: int = 0       # longest prompt accepted; 0 = max_model_len - 1
+    stream_interval: int = 1         # tokens per streamed delta for requests that set none
     # Plan each executor's next step while its current one runs, decodes fed
     # with the executor's own samples (hides the Step and Execute round trips).
     plan_ahead: bool = True
@@ -84,6 +85,7 @@ class Engine:
         self._wake = asyncio.Event()
         self.executors = Executors(memory, max_n=config.max_n, max_prompt_tokens=config.max_prompt_tokens,
                                    tls=executor_tls, token=executor_token, caps=config.caps,
+                                   stream_interval=config.stream_interval,
                                    info_timeout_s=config.executor_info_timeout_s, on_join=self._wake.set)
         self.scheduler = Scheduler(make_policy(config.policy), config.max_batch_tokens, config.max_running)
         self.sequences = SequenceTable()

@@ -41,10 +41,13 @@ class Executors:
 
     def __init__(self, memory: MemoryClient, *, max_n: int, max_prompt_tokens: int, tls=None,
                  token: str | None = None, caps: RequestCaps | None = None, info_timeout_s: float = 2.0,
-                 on_join: Callable[[], None] | None = None) -> None:
+                 on_join: Callable[[], None] | None = None, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.memory = memory
         self.max_n = max_n
         self.max_prompt_tokens = max_prompt_tokens
+        self.stream_interval = stream_interval
         self.caps = caps or RequestCaps()
         self.info_timeout_s = info_timeout_s
         self._tls = tls            # ClientTls for Execute channels (None = insecure)
@@ -235,6 +238,7 @@ class Executors:
         alive = [e.info for e in self.clients.values() if e.alive and e.info is not None]
         max_len = min(i.max_model_len for i in alive)
         self.limits = Limits(max_model_len=max_len, vocab_size=info.vocab_size, max_n=self.max_n,
-                             max_prompt_tokens=self.max_prompt_tokens, caps=self.caps)
+                             max_prompt_tokens=self.max_prompt_tokens, caps=self.caps,
+                             stream_interval=self.stream_interval)
         self.eos_ids = frozenset(info.eos_token_ids)
         self.model_id = info.model_id

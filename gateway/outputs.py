@@ -41,7 +41,10 @@ def accept_token(req: Request, comp: Completion, token: int, logprob: float | No
 
 
 def take_output(req: Request, comp: Completion) -> Output | None:
-    """The delta not yet streamed (None if there is nothing new)."""
+    """The delta not yet streamed (None if there is nothing new, or fewer
+    new tokens than the request's ``stream_interval`` while it runs)."""
+    if comp.finish is Finish.NONE and len(comp.output_ids) - comp.sent_tokens < req.spec.stream_interval:
+        return None
     text = comp.detok.text
     if comp.finish is not Finish.NONE:
         end = comp.stop_text_end if comp.stop_text_end is not None else len(text)

@@ -51,6 +51,7 @@ class Limits:
     max_n: int = 8
     max_prompt_tokens: int = 0  # 0 = max_model_len - 1
     caps: RequestCaps = RequestCaps()
+    stream_interval: int = 1    # tokens per streamed delta when a request sets none (--stream-interval)
 
     @property
     def prompt_token_limit(self) -> int:
@@ -79,6 +80,10 @@ class SamplingSpec:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), distinct ids
+    # Tokens per streamed delta (at most max_tokens: then each completion is
+    # sent once, when it ends). Fewer, larger deltas cost the gateway and the
+    # client less per token.
+    stream_interval: int = 1
     penalized: bool = False     # a penalty is on: the executor keeps the sequence's tokens
     processed: bool = False     # any of penalties, min_p, logit bias, min_tokens masking: extra Execute columns
 
@@ -111,6 +116,11 @@ class RawParams:
     repetition_penalty: float | None = None  # None = unset -> 1
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    stream_interval: int = 0    # tokens per streamed delta; 0 = the gateway's default
+
+
+# A stream_interval that sends each completion once, when it ends (capped to max_tokens).
+FINAL_ONLY = 2**31 - 1
 
 
 def _bad(message: str, param: str) -> InvalidArgument:
@@ -210,6 +220,10 @@ def validate(raw: RawParams, prompt_len: int, limits: Limits) -> SamplingSpec:
     if raw.min_tokens > max_tokens:
         raise _bad("min_tokens must be <= max_tokens", "min_tokens")
     extra = _check_processing(raw, limits)
+    stream_interval = raw.stream_interval or limits.stream_interval
+    if stream_interval < 1:
+        raise _bad(f"stream_interval must be >= 1 (or 0 for the gateway's default), got {raw.stream_interval}",
+                   "stream_interval")
     if beam > 1:
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                               ("min_p", 0.0), ("logit_bias", ()), ("top_logprobs", 0)):
@@ -221,7 +235,8 @@ def validate(raw: RawParams, prompt_len: int, limits: Limits) -> SamplingSpec:
                         stop=stop, stop_token_ids=stop_token_ids, stop_max_chars=max(map(len, stop), default=0),
                         ignore_eos=raw.ignore_eos,
                         beam_width=beam, length_penalty=float(length_penalty), min_tokens=raw.min_tokens,
-                        logprobs=raw.logprobs > 0 or raw.top_logprobs > 0, processed=processed, **extra)
+                        logprobs=raw.logprobs > 0 or raw.top_logprobs > 0, processed=processed,
+                        stream_interval=min(stream_interval, max_tokens), **extra)
 
 
 def validate_token_ids(token_ids: list[int], vocab_size: int) -> None:

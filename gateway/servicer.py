@@ -67,7 +67,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         prompt_ids = await frontend.prompt_ids(request.prompt, list(request.prompt_token_ids))
         remaining = context.time_remaining()
         deadline = asyncio.get_running_loop().time() + remaining if remaining is not None else None
-        req = await frontend.submit(Submission(prompt_ids, raw_params(request.sampling_params),
+        params = raw_params(request.sampling_params)
+        params.stream_interval = request.stream_interval
+        req = await frontend.submit(Submission(prompt_ids, params,
                                                request_id=request_id,
                                                owner=principal(context, self.token_required),
                                                authorization=_authorization(context),

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.http.errors import bad_request
-from gateway.params import RawParams
+from gateway.params import FINAL_ONLY, RawParams
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -174,6 +174,8 @@ def _common(body: Body, max_tokens: int | None) -> Common:
     if options and not stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     include_usage = Body(options).bool("include_usage") if options else False
+    if not stream:  # the response is built once the completions end: no deltas in between
+        params.stream_interval = FINAL_ONLY
     priority = body.int("priority", 0)
     if not -(2**31) <= priority < 2**31:
         raise bad_request("priority must fit in 32 bits", "priority")

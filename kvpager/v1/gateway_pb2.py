@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpager.v1 import common_pb2 as kvpager_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvpager/v1/gateway.proto\x12\nkvpager.v1\x1a\x17kvpager/v1/common.proto\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.kvpager.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x1b\n\x13skip_special_tokens\x18\x07 \x01(\x08\x12\x13\n\x0bretention_s\x18\x08 \x01(\x01\"\x86\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvpager.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvpager.v1.Usage\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x1a\n\x12\x63umulative_logprob\x18\x08 \x01(\x01\x12-\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x17.kvpager.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x99\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rnum_executors\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05max_n\x18\x07 \x01(\r2\xd8\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.kvpager.v1.GenerateRequest\x1a\x1c.kvpager.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvpager.v1.AbortRequest\x1a\x19.kvpager.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.kvpager.v1.GetModelInfoRequest\x1a\x15.kvpager.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvpager/v1/gateway.proto\x12\nkvpager.v1\x1a\x17kvpager/v1/common.proto\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.kvpager.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x1b\n\x13skip_special_tokens\x18\x07 \x01(\x08\x12\x13\n\x0bretention_s\x18\x08 \x01(\x01\x12\x17\n\x0fstream_interval\x18\t \x01(\r\"\x86\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvpager.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvpager.v1.Usage\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x1a\n\x12\x63umulative_logprob\x18\x08 \x01(\x01\x12-\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x17.kvpager.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x99\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x15\n\rnum_executors\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05max_n\x18\x07 \x01(\r2\xd8\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.kvpager.v1.GenerateRequest\x1a\x1c.kvpager.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvpager.v1.AbortRequest\x1a\x19.kvpager.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.kvpager.v1.GetModelInfoRequest\x1a\x15.kvpager.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpager.v1.gateway_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=66
-  _globals['_GENERATEREQUEST']._serialized_end=286
-  _globals['_GENERATERESPONSE']._serialized_start=289
-  _globals['_GENERATERESPONSE']._serialized_end=551
-  _globals['_TOPLOGPROBS']._serialized_start=553
-  _globals['_TOPLOGPROBS']._serialized_end=603
-  _globals['_ABORTREQUEST']._serialized_start=605
-  _globals['_ABORTREQUEST']._serialized_end=639
-  _globals['_ABORTRESPONSE']._serialized_start=641
-  _globals['_ABORTRESPONSE']._serialized_end=671
-  _globals['_GETMODELINFOREQUEST']._serialized_start=673
-  _globals['_GETMODELINFOREQUEST']._serialized_end=694
-  _globals['_MODELINFO']._serialized_start=697
-  _globals['_MODELINFO']._serialized_end=850
-  _globals['_GATEWAY']._serialized_start=853
-  _globals['_GATEWAY']._serialized_end=1069
+  _globals['_GENERATEREQUEST']._serialized_end=311
+  _globals['_GENERATERESPONSE']._serialized_start=314
+  _globals['_GENERATERESPONSE']._serialized_end=576
+  _globals['_TOPLOGPROBS']._serialized_start=578
+  _globals['_TOPLOGPROBS']._serialized_end=628
+  _globals['_ABORTREQUEST']._serialized_start=630
+  _globals['_ABORTREQUEST']._serialized_end=664
+  _globals['_ABORTRESPONSE']._serialized_start=666
+  _globals['_ABORTRESPONSE']._serialized_end=696
+  _globals['_GETMODELINFOREQUEST']._serialized_start=698
+  _globals['_GETMODELINFOREQUEST']._serialized_end=719
+  _globals['_MODELINFO']._serialized_start=722
+  _globals['_MODELINFO']._serialized_end=875
+  _globals['_GATEWAY']._serialized_start=878
+  _globals['_GATEWAY']._serialized_end=1094
 # @@protoc_insertion_point(module_scope)

@@ -346,17 +346,20 @@ class Target:
 
 async def run_load(target, requests: list[BenchRequest], *, rate: float = math.inf,
                    max_concurrency: int | None = None, ignore_eos: bool = True, seed: int = 0,
-                   cache_salt: str = "", on_done=None, timeout_s: float = 3600.0) -> LoadResult:
+                   cache_salt: str = "", on_done=None, timeout_s: float = 3600.0,
+                   stream_interval: int = 0) -> LoadResult:
     """Stream every request (greedy) to ``target`` (a gateway's gRPC address,
     or a Target), recording token arrival times. ``on_done(record)`` is called
     as each request finishes. A fresh ``cache_salt`` keeps earlier runs'
-    cached prefixes out of this one."""
+    cached prefixes out of this one. ``stream_interval`` (gRPC only): the
+    requests' field (0 = the gateway's default; >= max_tokens = each
+    completion once, when it ends)."""
     target = Target.of(target)
     offsets = arrival_offsets(len(requests), rate, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord(len(r.prompt_ids), r.max_tokens) for r in requests]
     in_flight = peak = 0
-    async with _sender(target, ignore_eos, cache_salt, seed, timeout_s) as send:
+    async with _sender(target, ignore_eos, cache_salt, seed, timeout_s, stream_interval) as send:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
@@ -383,8 +386,11 @@ async def run_load(target, requests: list[BenchRequest], *, rate: float = math.i
 
 
 @contextlib.asynccontextmanager
-async def _sender(target: Target, ignore_eos: bool, cache_salt: str, seed: int, timeout_s: float):
+async def _sender(target: Target, ignore_eos: bool, cache_salt: str, seed: int, timeout_s: float,
+                  stream_interval: int = 0):
     """send(i, request, record): one streamed request over the target's API."""
+    if stream_interval and target.backend != "grpc":
+        raise ValueError(f"stream_interval is a field of kvpager's gRPC requests, not of the {target.backend} API")
     if target.backend == "grpc":
         from kvpager.channel import make_channel
         from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -395,7 +401,7 @@ async def _sender(target: Target, ignore_eos: bool, cache_salt: str, seed: int, 
             async def send(i: int, req: BenchRequest, rec: RequestRecord) -> None:
                 msg = gateway_pb2.GenerateRequest(
                     prompt_token_ids=req.prompt_ids, request_id=f"bench-{seed}-{cache_salt}-{i}",
-                    cache_salt=cache_salt,
+                    cache_salt=cache_salt, stream_interval=stream_interval,
                     sampling_params=common_pb2.SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
                                                               ignore_eos=ignore_eos))
                 out = await stream_generate(stub, msg, timeout_s=timeout_s, raise_errors=False)

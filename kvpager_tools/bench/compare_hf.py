@@ -138,13 +138,15 @@ def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int, max_bat
 # ---- kvpager ------------------------------------------------------------------------
 
 
-def kvpager_run(gateway: str, prompts: list[list[int]], max_new_tokens: int, salt: str) -> tuple[float, list]:
+def kvpager_run(gateway: str, prompts: list[list[int]], max_new_tokens: int, salt: str,
+                stream_interval: int = 0) -> tuple[float, list]:
     """All prompts at once; a fresh cache salt per run, so no run is served
-    from the prefix cache an earlier one filled (transformers has none)."""
+    from the prefix cache an earlier one filled (transformers has none).
+    ``stream_interval``: the requests' (0 = the gateway's default)."""
     from kvpager_tools.bench.common import BenchRequest
 
     reqs = [BenchRequest(p, max_new_tokens) for p in prompts]
-    res = asyncio.run(run_load(gateway, reqs, ignore_eos=True, cache_salt=salt))
+    res = asyncio.run(run_load(gateway, reqs, ignore_eos=True, cache_salt=salt, stream_interval=stream_interval))
     failed = [r.error for r in res.records if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} kvpager requests failed: {failed[0]}")

@@ -63,6 +63,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="transformers reference on the first N prompts (default: all for llama-30m, 8 otherwise)")
     p.add_argument("--max-batch-tokens", type=int, default=0, help="gateway per-step token budget (0: default)")
     p.add_argument("--max-running", type=int, default=0, help="gateway sequences per step (0: default)")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="the kvpager requests' stream_interval (default: --max-new-tokens, each completion "
+                        "returned once, as vLLM's offline LLM.generate returns it; 1 streams every token)")
     p.add_argument("--online", action="store_true",
                    help="vLLM's OpenAI server vs kvpager's HTTP API, the same streaming client (no parity)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -208,10 +211,12 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
 
 def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
             vllm_python: Path, vllm_timeout_s: float = 1800.0, parity_sample: int | None = None,
-            max_batch_tokens: int = 0, max_running: int = 0, settle_s: float = 1.0) -> dict:
+            max_batch_tokens: int = 0, max_running: int = 0, settle_s: float = 1.0,
+            stream_interval: int = 0) -> dict:
     """Both engines loaded side by side, their timed rounds interleaved
     (vLLM, kvpager, vLLM, ...; ``settle_s`` between rounds for the other
-    engine's spinning OpenMP threads to sleep)."""
+    engine's spinning OpenMP threads to sleep). ``stream_interval``: the
+    kvpager requests' (0 = the gateway's default, every token)."""
     n = len(prompts)
     total_new = n * max_new_tokens
     need_blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
@@ -222,14 +227,14 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
         bc.progress(NAME, f"vLLM ready (load {vllm.ready['load_s']:.0f}s); kvpager: starting the stack ({dtype})")
         with bc.embedded_stack(opts) as stack:
             gw = stack.addresses.gateway
-            kvpager_run(gw, prompts, max_new_tokens, "warmup")  # the whole workload once: every shape, the allocator
+            kvpager_run(gw, prompts, max_new_tokens, "warmup", stream_interval)  # the whole workload once: every shape, the allocator
             for r in range(repeats):
                 time.sleep(settle_s)
                 vllm_rounds.append(vllm.round())
                 time.sleep(settle_s)
                 bc.progress(NAME, f"round {r + 1}/{repeats}: vLLM {vllm_rounds[-1]['tok_s']:.1f} tok/s")
                 load = os.getloadavg()[0]
-                dt, kv_outs = kvpager_run(gw, prompts, max_new_tokens, f"round-{r}")
+                dt, kv_outs = kvpager_run(gw, prompts, max_new_tokens, f"round-{r}", stream_interval)
                 kv_times.append({"wall_s": round(dt, 3), "tok_s": round(total_new / dt, 1), "loadavg_1m": load})
                 bc.progress(NAME, f"round {r + 1}/{repeats}: kvpager {kv_times[-1]['tok_s']:.1f} tok/s")
         final = vllm.finish()
@@ -255,7 +260,8 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
                    "kvpager_vs_vllm": agreement(kv_outs, final["outputs"])},
         "settings": {"kvpager": {"stack": "kvpager up defaults", "dtype": dtype, "num_blocks": opts.num_blocks,
                                  "max_batch_tokens": max_batch_tokens or "default",
-                                 "max_running": max_running or "default"},
+                                 "max_running": max_running or "default",
+                                 "stream_interval": stream_interval or "gateway default (1)"},
                      "vllm": final["settings"]},
     }
 
@@ -269,6 +275,8 @@ def _main(args: argparse.Namespace) -> int:
         parity = args.num_prompts if args.model == "llama-30m" else 8
     t0 = time.perf_counter()
     if args.online:
+        if args.stream_interval is not None:
+            raise SystemExit("--stream-interval is for the offline comparison (--online streams over HTTP)")
         from kvpager_tools.bench.compare_vllm_online import compare_online
 
         result = compare_online(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
@@ -277,7 +285,8 @@ def _main(args: argparse.Namespace) -> int:
     else:
         result = compare(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
                          vllm_python=python, vllm_timeout_s=args.vllm_timeout_s, parity_sample=parity,
-                         max_batch_tokens=args.max_batch_tokens, max_running=args.max_running)
+                         max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
+                         stream_interval=args.max_new_tokens if args.stream_interval is None else args.stream_interval)
     from kvpager_tools.bench.serve import machine
 
     result["machine"] = machine()
