@@ -91,7 +91,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 
 # The scheduling flags' destinations: `kvpager up` offers the same group and passes each one on.
-SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "plan_ahead")
+SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "stream_interval", "plan_ahead")
 
 
 def _positive_int(text: str) -> int:
