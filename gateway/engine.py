@@ -45,7 +45,7 @@ log = get_logger("gateway.engine")
 
 @dataclass
 class EngineConfig:
-    max_batch_tokens: int = 512      # tokens each executor computes per step (prefill chunks + decodes)
+    max_batch_tokens: int = 2048     # tokens each executor computes per step (prefill chunks + decodes)
     max_running: int = 64            # sequences each executor runs per step
     max_waiting: int = 1024          # requests admitted but not finished
     max_n: int = 8

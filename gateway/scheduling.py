@@ -73,7 +73,7 @@ class Batch:
 @dataclass(slots=True)
 class Scheduler:
     policy: SchedulingPolicy
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = 2048
     max_running: int = 64
 
     def schedule(self, seqs: Iterable[Seq], idle: Collection[str]) -> Batch:

@@ -32,6 +32,13 @@ MODEL_TYPES = ("llama", "mistral", "qwen2")
 # and "longrope" rescale with the sequence length (the transformers path
 # serves those).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+# On CPU a step's MLP runs in row blocks of at most this many gate/up
+# (intermediate) elements: oneDNN's product for one [2,048, 2 x 4,864] gate/up
+# ran at half the speed of four [512, ...] ones on a 2-core AMX Xeon (bf16 and
+# fp32), and a block's intermediate stays in cache for SiLU and the down
+# projection (docs/benchmarks.md). Blocks change no arithmetic: rows are
+# independent.
+MLP_BLOCK_ELEMS = 6_000_000
 
 
 class Unsupported(ValueError):
@@ -126,7 +133,16 @@ class DecoderLayer:
         attn = attend(ops.backend, plans, group, self.window, q, k_cache, v_cache, batch.tables_of(group),
                       batch.seq_lens, batch.query_start_loc, self.scaling)
         x = ops.add_rms_norm(self.o(attn.view(t, self.q_size)), h, self.post_norm, self.post_eps)
-        return self.down(ops.silu_mul(self.gate_up(x)))
+        return self.mlp(x, ops)
+
+    def mlp(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """SwiGLU: [T, hidden] -> [T, hidden], in row blocks on CPU (``MLP_BLOCK_ELEMS``)."""
+        t = x.shape[0]
+        blocks = -(-t * 2 * self.intermediate // MLP_BLOCK_ELEMS) if x.device.type == "cpu" else 1
+        if blocks <= 1:
+            return self.down(ops.silu_mul(self.gate_up(x)))
+        rows = -(-t // blocks)
+        return torch.cat([self.down(ops.silu_mul(self.gate_up(x[i:i + rows]))) for i in range(0, t, rows)])
 
 
 class LlamaModel:

@@ -214,3 +214,30 @@ def test_triton_interpreter_fork_and_prefix(serve, oracle):
     ref = oracle(ckpt).greedy(p, 2)
     assert parent.generated == ref and child.generated == ref
     assert hit.generated == oracle(ckpt).greedy(p[:BLOCK_SIZE] + [50, 51], 2)
+
+
+@pytest.mark.parametrize("ckpt", ["llama_gqa", "qwen2"])
+def test_the_mlp_in_row_blocks_matches_generate(serve, oracle, ckpt, monkeypatch):
+    """Our forward's MLP split into row blocks (every row its own block here;
+    executor_service.models.llama.MLP_BLOCK_ELEMS) changes no token."""
+    from kernels import cpu_attention
+    from executor_service.models import llama
+
+    if not cpu_attention.available():
+        pytest.skip("the C++ CPU attention kernel did not build here")
+    blocked = []
+    mlp = llama.DecoderLayer.mlp
+
+    def spy(self, x, ops):
+        blocked.append(x.shape[0])
+        return mlp(self, x, ops)
+
+    monkeypatch.setattr(llama, "MLP_BLOCK_ELEMS", 1)
+    monkeypatch.setattr(llama.DecoderLayer, "mlp", spy)
+    served = serve(ckpt, "cpu", model_impl="kvpager")
+    plan = Plan(served)
+    seqs = [plan.new_seq(p) for p in prompts(4, [3, 9, 1, 14], seed=11)]
+    _run_to(plan, seqs, NEW)
+    assert max(blocked) == 3 + 9 + 1 + 14  # the prefill step: 27 rows, 27 blocks
+    for s in seqs:
+        assert s.generated == oracle(ckpt).greedy(s.tokens[: s.prompt_len], NEW)

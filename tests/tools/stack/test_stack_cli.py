@@ -47,7 +47,7 @@ def test_up_two_executors_exact_command_lines():
                                 "--metrics-port", "9101", "--memory-address", "127.0.0.1:50051",
                                 "--model", "/models/m", "--http-port", "8000", "--redis-url", "redis://cache:6379/0",
                                 "--grace-s", "30", "--log-level", "INFO", "--policy", "priority",
-                                "--max-batch-tokens", "512", "--max-running", "64", "--max-waiting", "1024",
+                                "--max-batch-tokens", "2048", "--max-running", "64", "--max-waiting", "1024",
                                 "--stream-interval", "1"]
     assert [c.address for c in children] == ["127.0.0.1:50051", "127.0.0.1:50060", "127.0.0.1:50061",
                                              "127.0.0.1:50050"]
