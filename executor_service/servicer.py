@@ -143,6 +143,9 @@ PREVIOUS_STEP_WAIT_S = 30.0
 class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     """Answers UNAVAILABLE until ``attach(executor)`` (the model is loading)."""
 
+    # Called by the gateway every step: its request id comes back in trailing metadata (kvpager.server).
+    PER_STEP_METHODS = ("Execute",)
+
     def __init__(self, executor: Executor | None = None) -> None:
         self.executor = executor
         # One worker: steps are serialised anyway, and torch releases the GIL.

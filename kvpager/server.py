@@ -86,6 +86,10 @@ class ServiceRuntime:
         tls: serve TLS (mTLS with ``require_client_auth``); insecure when None.
         auth: bearer-token check (health and reflection stay open).
         interceptors: extra interceptors, run inside error mapping and auth.
+
+    A servicer may name its per-step methods (``PER_STEP_METHODS``, method
+    names): those answer the request id in trailing metadata (see
+    ``kvpager.interceptor.ErrorMappingInterceptor``).
     """
 
     def __init__(
@@ -127,6 +131,12 @@ class ServiceRuntime:
         return f"{host}:{self.port}"
 
     @property
+    def per_step_methods(self) -> frozenset[str]:
+        """Full method names ("/pkg.Service/Method") the registered servicers call per-step."""
+        return frozenset(f"/{full_name}/{m}" for _, servicer, full_name in self._services
+                         for m in getattr(servicer, "PER_STEP_METHODS", ()))
+
+    @property
     def service_names(self) -> list[str]:
         return [full_name for _, _, full_name in self._services]
 
@@ -143,7 +153,8 @@ class ServiceRuntime:
         if self._server is not None:
             raise RuntimeError("already started")
         server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(self.name), *([self.auth] if self.auth else []), *self.interceptors],
+            interceptors=[ErrorMappingInterceptor(self.name, self.per_step_methods),
+                          *([self.auth] if self.auth else []), *self.interceptors],
             options=server_options(self.max_message_bytes),
         )
         for add_fn, servicer, _ in self._services:

@@ -165,6 +165,9 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     """Sizes, names and the registry's room are the manager's limits
     (``memory_service.limits``); the watcher limits are checked here."""
 
+    # Called by the gateway every step: its request id comes back in trailing metadata (kvpager.server).
+    PER_STEP_METHODS = ("Step",)
+
     def __init__(self, state: MemoryState) -> None:
         self.state = state
         self.limits = state.manager.limits

@@ -44,6 +44,8 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 class FakeMemory(memory_pb2_grpc.MemoryServiceServicer):
     """Each method exercises one path of the interceptor."""
 
+    PER_STEP_METHODS = ("Free",)  # stands in for Step here: answers its request id in trailing metadata
+
     def __init__(self) -> None:
         self.release = asyncio.Event()
 
@@ -67,6 +69,11 @@ class FakeMemory(memory_pb2_grpc.MemoryServiceServicer):
         for step_id in range(request.interval_ms):
             yield memory_pb2.AccountingSnapshot(step_id=step_id)
         raise errors.NotFound("watch ended: executor gone")
+
+    async def Free(self, request, context):
+        if 0 in request.seq_ids:
+            raise errors.InvalidArgument("seq_ids must not hold 0")
+        return memory_pb2.FreeResponse(blocks_released=len(request.seq_ids))
 
     async def ListExecutors(self, request, context):  # writer-style handlers are fine too
         return memory_pb2.ListExecutorsResponse()
@@ -192,6 +199,23 @@ async def test_request_id_is_generated_and_survives_errors(served):
         assert request_id and len(request_id) == 32
         ids.add(request_id)
     assert len(ids) == 2
+
+
+async def test_per_step_methods_answer_the_request_id_in_trailing_metadata(served):
+    """Called every step: no separate initial-metadata operation; the id comes with the status."""
+    runtime, _, stub = served
+    assert runtime.per_step_methods == {f"/{MEMORY}/Free"}
+    call = stub.Free(memory_pb2.FreeRequest(seq_ids=[3, 4]), metadata=(("x-request-id", "step-3"),))
+    assert (await call).blocks_released == 2
+    assert metadata_value(await call.trailing_metadata(), "x-request-id") == "step-3"
+    assert metadata_value(await call.initial_metadata(), "x-request-id") is None
+    generated = stub.Free(memory_pb2.FreeRequest(seq_ids=[5]))
+    await generated
+    assert len(metadata_value(await generated.trailing_metadata(), "x-request-id")) == 32
+    failed = stub.Free(memory_pb2.FreeRequest(seq_ids=[0]), metadata=(("x-request-id", "bad-step"),))
+    err = await rpc_error(failed)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert metadata_value(err.trailing_metadata(), "x-request-id") == "bad-step"
 
 
 async def test_request_id_is_in_logs(served, capsys):
