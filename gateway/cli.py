@@ -94,7 +94,8 @@ def preflight(args: argparse.Namespace) -> None:
 SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "stream_interval", "plan_ahead")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
@@ -110,7 +111,7 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
                    help="step order: priority (default: a request's priority, lower first, then FCFS among "
                         "equals) or fcfs (arrival only; priorities ignored)")
-    g.add_argument("--stream-interval", type=_positive_int, default=1,
+    g.add_argument("--stream-interval", type=positive_int, default=1,
                    help="tokens per streamed response for requests that set no stream_interval (default 1: "
                         "every step; larger values send fewer, larger deltas, which costs the gateway and "
                         "clients less per token)")

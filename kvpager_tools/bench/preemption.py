@@ -49,6 +49,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from gateway.cli import positive_int
 from kvpager_tools.bench import common as bc
 from memory_service.policy import VICTIM_POLICIES
 
@@ -260,13 +261,6 @@ def _policy_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(NAME, help="preemption mode policies (recompute, swap, threshold, cost) under memory pressure")
     p.add_argument("--model", default="llama-30m", help="checkpoint dir, 'llama-30m' (default) or 'demo'")
@@ -278,7 +272,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lease-s", type=float, default=1.5, help="memory lease (heartbeats bring the rates every third)")
     p.add_argument("--victim-policy", default="newest", choices=sorted(VICTIM_POLICIES),
                    help="the memory service's --victim-policy (all stacks)")
-    p.add_argument("--repeats", type=_positive, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="rounds; each runs every workload on every policy (rotated order); medians reported")
     p.add_argument("--policies", type=_policy_list, default=POLICIES, help="comma list (default: all four)")
     p.add_argument("--workload", action="append", choices=[w.name for w in workloads(False)],
