@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from executor_service import metrics
+from executor_service import burst, metrics
 from executor_service.attention import load_backend
 from executor_service.config import ExecutorConfig
 from executor_service.costs import CostMeter
@@ -296,7 +296,10 @@ class Executor:
                 tables.commit(r, step.seq_ids, step.query_lens)
             self.histories.commit(histories)
             try:
-                out = self._run(step, resolved, histories.rows, extra)
+                if step.decode_steps > 1:
+                    out = self._run_burst(step, resolved, histories.rows, extra)
+                else:
+                    out = self._run(step, resolved, histories.rows, extra)
                 self.last_samples.record(step, out)
                 return out
             except Exception as exc:
@@ -391,6 +394,25 @@ class Executor:
             sample_s=t3 - t2,
             cache_ops_s=t1 - t0,
         )
+
+    def _run_burst(self, step: StepInput, resolved: Resolved, histories: dict, extra: list[Resolved]
+                   ) -> StepOutput:
+        """A decode burst (executor_service.burst): one-token forwards while
+        any row has tokens left, each fed what the one before sampled."""
+        q = step.query_lens
+        tokens = step.token_ids[burst.row_starts(q)[:-1]]  # every row's first token
+        parts: list[tuple[np.ndarray, StepOutput]] = []
+        forward_s = sample_s = cache_ops_s = 0.0
+        for j in range(int(q.max()) if len(q) else 0):
+            sub, (head, *rest), rows = burst.sub_step(step, [resolved, *extra], j, tokens)
+            out = self._run(sub, head, histories if j == 0 else {}, rest)
+            parts.append((rows, out))
+            forward_s += out.forward_s
+            sample_s += out.sample_s
+            cache_ops_s += out.cache_ops_s
+            going = q[rows] > j + 1  # the rows that feed their sample into sub-step j + 1
+            tokens = out.sampled_token_ids[going]
+        return burst.gather(step, parts, forward_s, sample_s, cache_ops_s)
 
     def _apply_cache_ops(self, step: StepInput) -> None:
         """Swap-out, then swap-in, then copies: a block swapped out may be

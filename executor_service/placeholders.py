@@ -52,6 +52,11 @@ class LastSamples:
     def record(self, step: StepInput, out: StepOutput) -> None:
         num = step.sampling.num_samples
         self.step_id = step.step_id
+        if step.decode_steps > 1:  # a burst: each row's last sample (executor_service.burst)
+            from executor_service.burst import last_samples
+
+            self._seq_ids, self._tokens = step.seq_ids, last_samples(step, out)
+            return
         if len(num) == len(out.sampled_token_ids) and (num == 1).all():  # a decode: one token per row
             self._seq_ids, self._tokens = step.seq_ids, out.sampled_token_ids
             return
@@ -64,6 +69,10 @@ class LastSamples:
     def fill(self, step: StepInput) -> StepInput:
         """The step with its placeholders replaced (checked: ``check_placeholders``)."""
         holes = np.nonzero(step.token_ids == PLACEHOLDER)[0]
+        if step.decode_steps > 1 and len(holes):  # a burst fills only first tokens here; it samples the rest
+            starts = np.zeros(len(step.query_lens), np.int64)
+            np.cumsum(step.query_lens[:-1], out=starts[1:])
+            holes = starts[step.token_ids[starts] == PLACEHOLDER]
         if not len(holes):
             return step
         if step.prev_step_id != self.step_id:

@@ -100,6 +100,7 @@ def step_from_proto(req: executor_pb2.ExecuteRequest) -> StepInput:
         context_lens=_opt(req.context_lens, _i32, "context_lens"),
         cache_ops=cache_ops_from_proto(plan.cache_ops),
         prev_step_id=req.prev_step_id,
+        decode_steps=req.decode_steps,
         sampling=Sampling(
             num_samples=_opt(s.num_samples, _i32, "sampling.num_samples"),
             temperature=_opt(s.temperature, _f32, "sampling.temperature"),

@@ -110,6 +110,8 @@ class StepInput:
     # The step whose one-token samples fill this step's placeholder tokens (-1);
     # 0 = none (executor_service.placeholders).
     prev_step_id: int = 0
+    # > 1: a decode burst of up to this many one-token forwards (executor_service.burst).
+    decode_steps: int = 0
 
 
 @dataclass(slots=True)
@@ -302,15 +304,25 @@ def check_step(step: StepInput, limits: PoolLimits) -> StepInput:
         _fail(f"query_lens must be <= max_model_len {limits.max_model_len}")
     _check_len(step.token_ids, int(q.sum()), "token_ids (sum of query_lens)")
     tokens = step.token_ids
-    if step.prev_step_id and len(tokens) and int(tokens.min()) == -1:
+    burst = step.decode_steps > 1
+    if step.prev_step_id and len(tokens) and int(tokens.min()) == -1 and not burst:
         from executor_service.placeholders import PLACEHOLDER, check_placeholders
 
         check_placeholders(step)
         tokens = tokens[tokens != PLACEHOLDER]
+    if burst:
+        from executor_service.burst import known_tokens
+
+        tokens = known_tokens(step)
     _check_ids(tokens, limits.vocab_size, "token_ids", "token")
     _check_cache_ops(step.cache_ops, limits)
     sampling = _normalized_sampling(step.sampling, n, limits.vocab_size)
-    return dataclasses.replace(step, sampling=sampling)
+    step = dataclasses.replace(step, sampling=sampling)
+    if burst:
+        from executor_service.burst import check_burst
+
+        check_burst(step)
+    return step
 
 
 def _writable(a: np.ndarray) -> np.ndarray:

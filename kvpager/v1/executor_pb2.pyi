@@ -46,7 +46,7 @@ class SamplingBatch(_message.Message):
     def __init__(self, num_samples: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., num_top_logprobs: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., min_p: _Optional[bytes] = ..., logit_bias_offsets: _Optional[bytes] = ..., logit_bias_token_ids: _Optional[bytes] = ..., logit_bias_values: _Optional[bytes] = ..., prompt_lens: _Optional[bytes] = ..., history_offsets: _Optional[bytes] = ..., history_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "incarnation", "plan", "context_lens", "token_ids", "sampling", "prev_step_id")
+    __slots__ = ("step_id", "incarnation", "plan", "context_lens", "token_ids", "sampling", "prev_step_id", "decode_steps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class ExecuteRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREV_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     incarnation: int
     plan: _common_pb2.ExecutorPlan
@@ -61,7 +62,8 @@ class ExecuteRequest(_message.Message):
     token_ids: bytes
     sampling: SamplingBatch
     prev_step_id: int
-    def __init__(self, step_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.ExecutorPlan, _Mapping]] = ..., context_lens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., prev_step_id: _Optional[int] = ...) -> None: ...
+    decode_steps: int
+    def __init__(self, step_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.ExecutorPlan, _Mapping]] = ..., context_lens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., prev_step_id: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_offsets", "top_token_ids", "top_logprobs", "forward_s", "sample_s", "cache_ops_s")

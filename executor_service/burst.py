@@ -1,0 +1,140 @@
+"""A decode burst: one Execute that runs several one-token decode forwards.
+
+With ``--num-scheduler-steps K`` the gateway plans up to K tokens for each
+running decode at once (``StepInput.decode_steps``); the memory service
+allocates their slots in one plan. Row i's ``query_lens[i]`` tokens are its
+first (known, or a placeholder of the step before) followed by placeholders
+this step samples itself. The executor resolves and commits the tables for
+the whole burst once, then runs sub-step j = 0, 1, … over the rows still
+going (``query_lens > j``), each fed the token its sub-step j - 1 sampled,
+at position ``context_len + j``. Sampling is keyed by (seed, position), so a
+burst samples exactly what the same decodes one step at a time would.
+
+Sub-step 0 is the whole step (every row, its cache ops, its penalties and
+top logprobs); later sub-steps carry only burst rows, which sample one token
+without penalties or top logprobs (checked: ``check_burst``). Outputs come
+back row-major: row i's ``query_lens[i]`` samples in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from executor_service.step import CacheOps, Sampling, StepInput, StepOutput
+from executor_service.tables import Resolved
+from kvpager.errors import InvalidArgument
+
+MAX_DECODE_STEPS = 64
+PLACEHOLDER = -1
+
+
+def row_starts(query_lens: np.ndarray) -> np.ndarray:
+    """int64 [n + 1]: where each row's tokens begin in the flattened step."""
+    starts = np.zeros(len(query_lens) + 1, np.int64)
+    np.cumsum(query_lens, out=starts[1:])
+    return starts
+
+
+def check_burst(step: StepInput) -> None:
+    """A burst's rows are decodes: their tokens after the first are
+    placeholders; a row of more than one token samples one token per
+    sub-step with neither penalties nor top logprobs; a placeholder first
+    token needs prev_step_id. ``step.sampling`` is normalized (``check_step``)."""
+    k = step.decode_steps
+    if k > MAX_DECODE_STEPS:
+        raise InvalidArgument(f"decode_steps must be <= {MAX_DECODE_STEPS}, got {k}")
+    q = step.query_lens
+    if len(q) and int(q.max()) > k:
+        raise InvalidArgument(f"query_lens: a decode burst of {k} steps computes at most {k} tokens per row")
+    starts = row_starts(q)
+    firsts = np.zeros(len(step.token_ids), bool)
+    firsts[starts[:-1]] = True
+    tokens = step.token_ids
+    if (tokens[~firsts] != PLACEHOLDER).any():
+        raise InvalidArgument("token_ids: in a decode burst a row's tokens after its first are placeholders (-1)")
+    if (tokens[firsts] == PLACEHOLDER).any() and not step.prev_step_id:
+        raise InvalidArgument("token_ids: a placeholder (-1) first token needs prev_step_id, the step that samples it")
+    s = step.sampling
+    if (s.num_samples != 1).any():
+        raise InvalidArgument("sampling.num_samples: every row of a decode burst samples one token")
+    multi = q > 1
+    penalized = s.penalized(len(q))
+    if (s.num_top_logprobs[multi] > 0).any() or (penalized is not None and penalized[multi].any()):
+        raise InvalidArgument("sampling: a row of more than one token in a decode burst cannot ask for top "
+                              "logprobs or penalties")
+
+
+def known_tokens(step: StepInput) -> np.ndarray:
+    """The tokens to check against the vocabulary (the placeholders are not tokens yet)."""
+    return step.token_ids[step.token_ids != PLACEHOLDER]
+
+
+def _subset_sampling(s: Sampling, rows: np.ndarray) -> Sampling:
+    """The columns of ``rows`` (every one samples one token: seeds are per row)."""
+    def pick(a):
+        return None if a is None else a[rows]
+
+    bias_offsets = bias_ids = bias_values = None
+    if s.bias_offsets is not None:
+        lo, hi = s.bias_offsets[rows], s.bias_offsets[rows + 1]
+        lens = (hi - lo).astype(np.int64)
+        take = np.repeat(lo.astype(np.int64) - np.concatenate(([0], np.cumsum(lens)[:-1])), lens) \
+            + np.arange(int(lens.sum()))
+        bias_offsets = np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
+        bias_ids, bias_values = s.bias_token_ids[take], s.bias_values[take]
+    return Sampling(
+        num_samples=s.num_samples[rows], temperature=s.temperature[rows], top_p=s.top_p[rows],
+        top_k=s.top_k[rows], seeds=s.seeds[rows], num_top_logprobs=s.num_top_logprobs[rows],
+        return_logprobs=s.return_logprobs, min_p=pick(s.min_p),
+        bias_offsets=bias_offsets, bias_token_ids=bias_ids, bias_values=bias_values)
+
+
+def sub_step(step: StepInput, groups: list[Resolved], j: int, tokens: np.ndarray
+             ) -> tuple[StepInput, list[Resolved], np.ndarray]:
+    """Sub-step j of a checked, resolved burst: the rows still going
+    (``query_lens > j``), one token each (``tokens``, int32 [len(rows)]), at
+    context ``context_len + j``. ``groups``: the resolved tables of each KV
+    table group (group 0 first). Returns the one-token step, its tables per
+    group and the rows (indices into the burst's rows)."""
+    q = step.query_lens
+    rows = np.arange(len(q)) if j == 0 else np.nonzero(q > j)[0]
+    at = row_starts(q)[rows] + j
+    one = np.ones(len(rows), np.int32)
+    sub = dataclasses.replace(
+        step, seq_ids=step.seq_ids[rows], query_lens=one, token_ids=np.ascontiguousarray(tokens, np.int32),
+        context_lens=None, decode_steps=0, prev_step_id=0,
+        cache_ops=step.cache_ops if j == 0 else CacheOps(),
+        sampling=step.sampling if j == 0 else _subset_sampling(step.sampling, rows))
+    views = [Resolved(reset=r.reset, epoch=r.epoch, staged={}, row_ids=r.row_ids[rows],
+                      context_lens=r.context_lens[rows] + j, tables=r.tables[rows],
+                      slot_mapping=r.slot_mapping[at])
+             for r in groups]
+    return sub, views, rows
+
+
+def gather(step: StepInput, parts: list[tuple[np.ndarray, StepOutput]], forward_s: float, sample_s: float,
+           cache_ops_s: float) -> StepOutput:
+    """The burst's output from its sub-steps' (rows, output): samples row-major
+    (row i's ``query_lens[i]`` in order), top logprobs from sub-step 0 (the
+    only one that may ask for them)."""
+    q = step.query_lens
+    starts = row_starts(q)
+    tokens = np.zeros(int(starts[-1]), np.int32)
+    logprobs = np.zeros(int(starts[-1]), np.float32) if step.sampling.return_logprobs else None
+    for j, (rows, out) in enumerate(parts):
+        at = starts[rows] + j
+        tokens[at] = out.sampled_token_ids
+        if logprobs is not None:
+            logprobs[at] = out.sampled_logprobs
+    first = parts[0][1]
+    return StepOutput(step_id=step.step_id, sampled_token_ids=tokens, sampled_logprobs=logprobs,
+                      top_offsets=first.top_offsets, top_token_ids=first.top_token_ids,
+                      top_logprobs=first.top_logprobs, forward_s=forward_s, sample_s=sample_s,
+                      cache_ops_s=cache_ops_s)
+
+
+def last_samples(step: StepInput, out: StepOutput) -> np.ndarray:
+    """int32 [n]: each row's last sample (what a step planned ahead feeds it)."""
+    return out.sampled_token_ids[row_starts(step.query_lens)[1:] - 1]

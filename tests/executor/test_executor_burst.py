@@ -1,0 +1,119 @@
+"""Decode bursts (ExecuteRequest.decode_steps): one Execute runs several
+one-token forwards per row, each fed what the one before sampled. Greedy
+output equals transformers' generate; seeded sampling equals the same
+decodes one step at a time; a burst fed by a step planned ahead works; a
+malformed burst is refused and changes nothing."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from executor_harness import Plan, prompts
+from kvpager import packed
+
+CKPT = "llama_gqa"
+
+
+def _burst_request(plan: Plan, items, steps: int, **kw):
+    """items: [(seq, q)]: each row's last known token then q - 1 placeholders."""
+    for seq, q in items:
+        seq.tokens.extend([-1] * (q - 1))
+    req = plan.request(items, num_samples=[1] * len(items), **kw)
+    for seq, q in items:
+        del seq.tokens[len(seq.tokens) - (q - 1):]
+    req.decode_steps = steps
+    return req
+
+
+def _burst(plan: Plan, items, steps: int, **kw):
+    req = _burst_request(plan, items, steps, **kw)
+    resp = plan.served.stub.Execute(req, timeout=120)
+    plan.sent_tables(req, items)
+    sampled = list(packed.unpack_i32(resp.sampled_token_ids))
+    assert len(sampled) == sum(q for _, q in items)
+    pos = 0
+    for seq, q in items:
+        seq.num_computed += q
+        seq.tokens.extend(sampled[pos:pos + q])
+        pos += q
+    return resp
+
+
+def test_burst_matches_generate(serve, oracle):
+    served = serve(CKPT)
+    plan = Plan(served)
+    seqs = [plan.new_seq(p) for p in prompts(3, [5, 19, 2], seed=31)]
+    lens = [len(s.tokens) for s in seqs]
+    plan.prefill(seqs)  # one token each
+    _burst(plan, [(seqs[0], 4), (seqs[1], 2), (seqs[2], 4)], 4)
+    plan.decode(seqs, 1)  # a plain decode after a burst: the counts agree
+    _burst(plan, [(seqs[0], 3), (seqs[1], 5), (seqs[2], 1)], 5)
+    for s, n in zip(seqs, lens):
+        assert s.tokens[n:] == oracle(CKPT).greedy(s.tokens[:n], len(s.tokens) - n)
+    assert [len(s.tokens) - n for s, n in zip(seqs, lens)] == [9, 9, 7]
+
+
+def test_burst_samples_as_single_steps(serve):
+    """Sampling is keyed by (seed, position): a burst draws what single steps draw."""
+    served = serve(CKPT)
+    plan = Plan(served)
+    ps = prompts(2, [6, 11], seed=32)
+    one = [plan.new_seq(p, seed=7 + i, temperature=1.0, top_p=0.9) for i, p in enumerate(ps)]
+    many = [plan.new_seq(p, seed=7 + i, temperature=1.0, top_p=0.9) for i, p in enumerate(ps)]
+    plan.prefill(one + many)
+    plan.decode(one, 6)
+    resp = _burst(plan, [(s, 6) for s in many], 6, return_logprobs=True)
+    assert [s.tokens for s in many] == [s.tokens for s in one]
+    assert len(packed.unpack_f32(resp.sampled_logprobs)) == 12
+
+
+def test_burst_after_a_step_planned_ahead(serve, oracle):
+    """The burst's first token is a placeholder: the sample of the step still running."""
+    served = serve(CKPT)
+    plan = Plan(served)
+    seqs = [plan.new_seq(p) for p in prompts(2, [7, 3], seed=33)]
+    lens = [len(s.tokens) for s in seqs]
+    items = [(s, len(s.tokens)) for s in seqs]
+    first = plan.request(items)
+    future = served.stub.Execute.future(first, timeout=60)
+    plan.sent_tables(first, items)
+    for s, q in items:
+        s.num_computed += q
+        s.tokens.append(-1)  # what `first` samples: the burst's first token
+    burst_items = [(s, 3) for s in seqs]
+    req = _burst_request(plan, burst_items, 3)
+    req.prev_step_id = first.step_id
+    for s in seqs:
+        s.tokens.pop()
+    for s, tok in zip(seqs, packed.unpack_i32(future.result().sampled_token_ids)):
+        s.tokens.append(tok)
+    resp = served.stub.Execute(req, timeout=60)
+    plan.sent_tables(req, burst_items)
+    sampled = list(packed.unpack_i32(resp.sampled_token_ids))
+    for i, s in enumerate(seqs):
+        s.num_computed += 3
+        s.tokens.extend(sampled[3 * i:3 * i + 3])
+    for s, n in zip(seqs, lens):
+        assert s.tokens[n:] == oracle(CKPT).greedy(s.tokens[:n], 4)
+
+
+@pytest.mark.parametrize("bad", ["real_token", "too_long", "top_logprobs", "no_prev"])
+def test_malformed_burst_refused(serve, oracle, bad):
+    served = serve(CKPT)
+    plan = Plan(served)
+    [seq] = [plan.new_seq(p) for p in prompts(1, [5], seed=34)]
+    plan.prefill([seq])
+    kw = {"num_top_logprobs": [2]} if bad == "top_logprobs" else {}
+    req = _burst_request(plan, [(seq, 3)], 2 if bad == "too_long" else 3, **kw)
+    toks = list(packed.unpack_i32(req.token_ids))
+    if bad == "real_token":
+        toks[1] = 5
+    if bad == "no_prev":
+        toks[0] = -1
+    req.token_ids = packed.pack_i32(toks)
+    with pytest.raises(grpc.RpcError) as err:
+        served.stub.Execute(req, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    plan.decode([seq], 2)  # the executor is unharmed: its tables did not move
+    assert seq.tokens[5:] == oracle(CKPT).greedy(seq.tokens[:5], 3)
