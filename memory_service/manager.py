@@ -169,7 +169,7 @@ class MemoryManager:
             self.validator.check(step)
         out = StepOutput(step.step_id)
         rejected = self.apply(step, out, decode)
-        self.planner.plan(step, out, rejected, decode)
+        self.validator.pending_total += self.planner.plan(step, out, rejected, decode)
         if step.step_id:
             self.last_step_id = step.step_id
             self._last_output = out

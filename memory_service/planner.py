@@ -31,7 +31,7 @@ from memory_service.kv_manager import ExecutorKV
 from memory_service.policy import (ModePolicy, PreemptionDecision, PreemptionMode, TenantQuota, VictimEligibility,
                                    VictimPolicy, estimate_preemption)
 from memory_service.records import ExecutorStepPlan, StepInput, StepOutput
-from memory_service.sequence import Sequence
+from memory_service.sequence import PLACEHOLDER, Sequence
 from memory_service.validation import DecodeStep
 
 # executor id -> its rows: (seq_ids int64, tokens each computes now int32), in allocation order
@@ -85,10 +85,14 @@ class Planner:
         self.eligibility = eligibility
         self.victims = victims
         self.modes = modes
+        self._placeholders = 0  # added by this plan's lookaheads (the manager counts them)
 
-    def plan(self, step: StepInput, out: StepOutput, rejected: set[int], decode: DecodeStep | None = None) -> None:
-        """Allocate step.schedule in order; fill out.executor_plans, preempted, unscheduled."""
+    def plan(self, step: StepInput, out: StepOutput, rejected: set[int], decode: DecodeStep | None = None) -> int:
+        """Allocate step.schedule in order; fill out.executor_plans, preempted,
+        unscheduled. Returns the placeholders granted lookaheads added."""
+        self._placeholders = 0
         self.build_plans(self.schedule(step, out, rejected, decode), out)
+        return self._placeholders
 
     def schedule(self, step: StepInput, out: StepOutput, rejected: set[int],
                  decode: DecodeStep | None = None) -> Rows:
@@ -97,10 +101,14 @@ class Planner:
         ``StepValidator.check_decode``."""
         if decode is not None and self.quota is None:  # the fast path has no quota check
             return self._schedule_decode(step, out, decode)
-        return self._schedule(step.schedule_seq_ids, step.schedule_num_tokens, out, rejected, {}, set())
+        return self._schedule(step.schedule_seq_ids, step.schedule_num_tokens, out, rejected, {}, set(),
+                              step.schedule_lookahead)
 
     def _schedule(self, seq_ids, num_tokens, out: StepOutput, rejected: set[int], rows: Rows,
-                  handled: set[int]) -> Rows:
+                  handled: set[int], lookahead=()) -> Rows:
+        """``lookahead``: per scheduled sequence (empty: none), tokens a running
+        one samples ahead in this step: its slots are allocated with its
+        tokens, all or nothing, and the placeholders join it once granted."""
         seqs = self.seqs
         # handled: scheduled (or given up) in this step: never a victim after
         preempted: set[int] = set()
@@ -108,7 +116,8 @@ class Planner:
         self._quota_bound: dict[tuple[str, str], int] = {}  # (executor, tenant) -> blocks held at most
         running, swapped = SeqStatus.RUNNING, SeqStatus.SWAPPED
         kv = None
-        for seq_id, k in zip(seq_ids, num_tokens):
+        for i, (seq_id, k) in enumerate(zip(seq_ids, num_tokens)):
+            ahead = lookahead[i] if lookahead else 0
             if seq_id in rejected:
                 continue
             seq = seqs[seq_id]
@@ -124,16 +133,20 @@ class Planner:
             if status is not running and status is not swapped and gate in admission_closed:
                 out.unscheduled.append(seq_id)  # FCFS: no overtaking a request that did not fit
                 continue
-            if self.quota is not None and not self._fit_quota(kv, seq, k, handled, out, preempted):
+            if self.quota is not None and not self._fit_quota(kv, seq, k + ahead, handled, out, preempted):
                 out.unscheduled.append(seq_id)  # its tenant is at its quota: it waits (others go on)
                 if status is not running and status is not swapped:
                     admission_closed.add(gate)
                 continue
             if status is running:
-                k = min(k, len(seq.token_ids) - seq.num_computed)  # >= 1, validated
+                k = min(k, len(seq.token_ids) - seq.num_computed) + ahead  # >= 1, validated
                 ok = kv.allocate_slots(seq, k) or self.make_room(
                     kv, seq, lambda kv=kv, seq=seq, k=k: kv.allocate_slots(seq, k), None, handled, out, preempted)
-                if not ok and kv.grouped and seq.status is running:
+                if ok and ahead:  # the tokens it samples ahead: placeholders until appended
+                    seq.token_ids.extend([PLACEHOLDER] * ahead)
+                    seq.num_pending += ahead
+                    self._placeholders += ahead
+                if not ok and kv.grouped and seq.status is running and not ahead:
                     k = kv.fit_tokens(seq, k)  # a smaller chunk: the window frees behind it
                     ok = k > 0 and kv.allocate_slots(seq, k)
                 if ok:

@@ -47,6 +47,10 @@ class StepInput:
     # placeholder token now (so it can be scheduled before the id is known);
     # a later step's appended replaces it.
     pending_seq_ids: array | list[int] = field(default_factory=list)
+    # Per scheduled sequence (empty: all 0): tokens a RUNNING one samples
+    # ahead in this step (a decode burst): granted, they join it as
+    # placeholders computed now, which later appends replace.
+    schedule_lookahead: array | list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

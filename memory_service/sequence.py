@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 PLACEHOLDER = -1     # a token id not known yet (see Sequence.num_pending)
 MAX_PENDING = 2      # placeholders one sequence may hold (Executes in flight ahead of its appends)
+MAX_LOOKAHEAD = 63   # tokens one sequence may sample ahead in a step (a decode burst of 64), beyond those
 
 
 @dataclass(slots=True, eq=False)

@@ -98,6 +98,7 @@ def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
         schedule_seq_ids=unpack_i64(req.schedule_seq_ids, "schedule_seq_ids"),
         schedule_num_tokens=unpack_i32(req.schedule_num_tokens, "schedule_num_tokens"),
         pending_seq_ids=unpack_i64(req.pending_seq_ids, "pending_seq_ids"),
+        schedule_lookahead=unpack_i32(req.schedule_lookahead, "schedule_lookahead"),
     )
 
 

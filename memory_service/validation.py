@@ -27,7 +27,7 @@ from kvpager.errors import AlreadyExists, FailedPrecondition, InvalidArgument, N
 from kvpager.seq_status import SeqStatus
 from memory_service.kv_manager import ExecutorKV
 from memory_service.records import StepInput
-from memory_service.sequence import MAX_PENDING, Sequence
+from memory_service.sequence import MAX_LOOKAHEAD, MAX_PENDING, Sequence
 
 # Token ids are hashed as uint32: the bound when an executor registers no vocabulary.
 _MAX_TOKEN_ID = 2**32 - 1
@@ -88,7 +88,7 @@ class StepValidator:
         anything else or anything in it is wrong (then ``check`` decides).
         Changes nothing."""
         if step.forks or step.free_seq_ids or step.abort_seq_ids or step.new_seqs or step.pending_seq_ids \
-                or self.pending_total:
+                or self.pending_total or step.schedule_lookahead:
             return None  # placeholders to add or replace: the general path
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
         sids, nums = step.schedule_seq_ids, step.schedule_num_tokens
@@ -250,6 +250,7 @@ class StepValidator:
                                              "tokens not yet known")
                 if seq.num_tokens + appended.get(seq_id, 0) - replaced + 1 > seq.token_limit:
                     raise InvalidArgument(f"pending: sequence {seq_id} is at its limit of {seq.token_limit} tokens")
+        self._check_lookahead(step, live, appended, pending)
         waiting = SeqStatus.WAITING
         for seq_id in sids:
             base = live.get(seq_id)
@@ -267,6 +268,38 @@ class StepValidator:
                 if remaining < 1:
                     raise InvalidArgument(f"schedule: sequence {seq_id} has no token left to compute "
                                           "(append the sampled token first)")
+
+    def _check_lookahead(self, step: StepInput, live: dict[int, Sequence], appended: dict[int, int],
+                         pending: set[int]) -> None:
+        """A lookahead (decode burst) is for a RUNNING sequence scheduled for
+        all its tokens not yet computed, within its token and placeholder limits."""
+        ahead = step.schedule_lookahead
+        if not ahead:
+            return
+        sids, nums = step.schedule_seq_ids, step.schedule_num_tokens
+        if len(ahead) != len(sids):
+            raise InvalidArgument("schedule: lookahead and seq_ids differ in length")
+        if min(ahead) < 0 or max(ahead) > MAX_LOOKAHEAD:
+            raise InvalidArgument(f"schedule: lookahead must be in [0, {MAX_LOOKAHEAD}]")
+        for seq_id, k, m in zip(sids, nums, ahead):
+            if not m:
+                continue
+            seq = live.get(seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                raise FailedPrecondition(f"schedule: sequence {seq_id} samples ahead (lookahead {m}) but is not "
+                                         "running")
+            extra = appended.get(seq_id, 0)
+            replaced = min(extra, seq.num_pending)
+            tokens = seq.num_tokens + extra - replaced + (seq_id in pending)
+            if k != tokens - seq.num_computed:
+                raise InvalidArgument(f"schedule: sequence {seq_id} samples ahead, so it computes all its "
+                                      f"{tokens - seq.num_computed} tokens not yet computed, not {k}")
+            if tokens + m > seq.token_limit:
+                raise InvalidArgument(f"schedule: sequence {seq_id} would pass its limit of {seq.token_limit} "
+                                      f"tokens sampling {m} ahead")
+            if seq.num_pending - replaced + (seq_id in pending) + m > MAX_PENDING + MAX_LOOKAHEAD:
+                raise FailedPrecondition(f"schedule: sequence {seq_id} would hold more than "
+                                         f"{MAX_PENDING + MAX_LOOKAHEAD} tokens not yet known")
 
     def _origin(self, seq_id: int, created: dict[int, int]) -> int:
         """The live sequence whose tokens seq_id holds before this step's appends

@@ -1,0 +1,120 @@
+"""Tokens sampled ahead within a step (``StepInput.schedule_lookahead``, a
+decode burst): a running sequence's slots for its next tokens are allocated
+with its last one, all or nothing; granted, they join it as placeholders
+(computed, never hashed) that the next appends replace, leaving the same
+blocks and prefix index as a step-by-step run."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpager.errors import FailedPrecondition, InvalidArgument
+from memory_service.kv_manager import ExecutorSpec
+from memory_service.manager import MemoryManager
+from memory_service.records import NewSeq, StepInput
+from memory_service.sequence import MAX_LOOKAHEAD, PLACEHOLDER
+
+BS = 4
+
+
+def _manager(num_blocks: int = 32) -> MemoryManager:
+    m = MemoryManager()
+    m.register_executor(ExecutorSpec("e0", num_blocks, BS, num_swap_blocks=0, model_id="m", dtype="f32",
+                                     max_model_len=40, vocab_size=100))
+    return m
+
+
+def _prefill(m: MemoryManager, seq_id: int, prompt: list[int], step_id: int) -> None:
+    m.step(StepInput(step_id=step_id, new_seqs=[NewSeq(seq_id, "e0", prompt)], schedule_seq_ids=[seq_id],
+                     schedule_num_tokens=[len(prompt)]))
+
+
+def _app(pairs: dict[int, list[int]]) -> dict:
+    ids = list(pairs)
+    offs = [0]
+    for i in ids:
+        offs.append(offs[-1] + len(pairs[i]))
+    return dict(appended_seq_ids=ids, appended_offsets=offs, appended_tokens=[t for i in ids for t in pairs[i]])
+
+
+def _rows(out) -> list[tuple[int, int]]:
+    return [(s, q) for p in out.executor_plans for s, q in zip(p.seq_ids, p.query_lens)]
+
+
+def test_bursts_leave_what_a_step_by_step_run_leaves():
+    prompt, sampled = [5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    plain = _manager()
+    _prefill(plain, 1, prompt, 1)
+    for i, tok in enumerate(sampled[:-1]):
+        plain.step(StepInput(step_id=2 + i, schedule_seq_ids=[1], schedule_num_tokens=[1], **_app({1: [tok]})))
+    plain.step(StepInput(step_id=20, **_app({1: sampled[-1:]})))
+    burst = _manager()
+    _prefill(burst, 1, prompt, 1)
+    # burst 1: the first sample is known, it computes it and samples 4 ahead (11 + 12..15 computed)
+    out = burst.step(StepInput(step_id=2, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[3],
+                               **_app({1: [11]})))
+    assert _rows(out) == [(1, 4)]
+    seq = burst.seqs[1]
+    assert seq.token_ids == prompt + [11, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER] and seq.num_pending == 3
+    assert seq.num_computed == 7 and burst.validator.pending_total == 3
+    assert seq.num_cached_blocks == 1  # block 0 (5 6 7 11) is known; block 1 holds placeholders
+    # burst 2: four samples come back (three replace placeholders); it computes 15 and 3 ahead
+    out = burst.step(StepInput(step_id=3, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[3],
+                               **_app({1: [12, 13, 14, 15]})))
+    assert _rows(out) == [(1, 4)]
+    burst.step(StepInput(step_id=4, **_app({1: sampled[5:]})))  # 16 17 18 (placeholders) and 19
+    a, b = plain.seqs[1], burst.seqs[1]
+    assert b.num_pending == 0 and burst.validator.pending_total == 0
+    assert (a.token_ids, a.num_computed, a.num_cached_blocks, a.block_hashes) == \
+        (b.token_ids, b.num_computed, b.num_cached_blocks, b.block_hashes)
+    assert sorted(plain.executors["e0"].pool.cached) == sorted(burst.executors["e0"].pool.cached)
+    assert burst.check_invariants() == []
+
+
+def test_a_burst_that_does_not_fit_adds_nothing():
+    m = _manager(num_blocks=4)  # 16 slots
+    _prefill(m, 1, [1, 2, 3, 4, 5, 6, 7], 1)  # 2 blocks
+    _prefill(m, 2, [9, 8, 7, 6, 5], 2)        # 2 blocks
+    # seq 2 decodes first (served: never a victim); seq 1's 8 + 8 ahead needs 2 more blocks: none to take
+    out = m.step(StepInput(step_id=3, schedule_seq_ids=[2, 1], schedule_num_tokens=[1, 1],
+                           schedule_lookahead=[0, 8], **_app({1: [8], 2: [10]})))
+    assert _rows(out) == [(2, 1)]
+    s = m.seqs[1]
+    assert s.num_pending == 0 and PLACEHOLDER not in s.token_ids and m.validator.pending_total == 0
+    assert m.check_invariants() == []
+    # a burst that fits goes (seq 2: 6 computed, 10 + 1 ahead in its second block)
+    out = m.step(StepInput(step_id=4, schedule_seq_ids=[2], schedule_num_tokens=[1], schedule_lookahead=[1],
+                           **_app({2: [11]})))
+    assert _rows(out) == [(2, 2)] and m.seqs[2].num_pending == 1 and m.validator.pending_total == 1
+    assert m.check_invariants() == []
+
+
+def test_bad_lookaheads_fail_whole_and_change_nothing():
+    m = _manager()
+    _prefill(m, 1, [1, 2], 1)
+    m.step(StepInput(step_id=2, new_seqs=[NewSeq(2, "e0", [3, 4, 5])]))  # waiting, never scheduled
+    app = _app({1: [7]})
+    cases = [
+        (StepInput(step_id=3, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[1, 1], **app),
+         InvalidArgument, "differ in length"),
+        (StepInput(step_id=3, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[-1], **app),
+         InvalidArgument, "lookahead must be"),
+        (StepInput(step_id=3, schedule_seq_ids=[1], schedule_num_tokens=[1],
+                   schedule_lookahead=[MAX_LOOKAHEAD + 1], **app), InvalidArgument, "lookahead must be"),
+        (StepInput(step_id=3, schedule_seq_ids=[2], schedule_num_tokens=[3], schedule_lookahead=[2], **app),
+         FailedPrecondition, "not running"),
+        (StepInput(step_id=3, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[38], **app),
+         InvalidArgument, "limit of 40"),
+    ]
+    for step, error, text in cases:
+        before = (list(m.seqs[1].token_ids), m.seqs[1].num_pending, m.seqs[1].num_computed,
+                  m.validator.pending_total)
+        with pytest.raises(error, match=text):
+            m.step(step)
+        assert (list(m.seqs[1].token_ids), m.seqs[1].num_pending, m.seqs[1].num_computed,
+                m.validator.pending_total) == before
+    # a lookahead means computing every token not yet computed first
+    m.step(StepInput(step_id=3, **_app({1: [7, 8]})))  # two known, not computed
+    with pytest.raises(InvalidArgument, match="computes all its 2 tokens"):
+        m.step(StepInput(step_id=4, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[2]))
+    assert m.check_invariants() == []
