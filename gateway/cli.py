@@ -91,7 +91,8 @@ def preflight(args: argparse.Namespace) -> None:
 
 
 # The scheduling flags' destinations: `kvpager up` offers the same group and passes each one on.
-SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "stream_interval", "plan_ahead")
+SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "stream_interval", "plan_ahead",
+                    "num_scheduler_steps")
 
 
 def positive_int(text: str) -> int:
@@ -99,6 +100,16 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def scheduler_steps(text: str) -> int:
+    """argparse type: --num-scheduler-steps, 1 to gateway.bursts.MAX_STEPS."""
+    from gateway.bursts import MAX_STEPS
+
+    value = positive_int(text)
+    if value > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_STEPS}, got {value}")
     return value
 
 
@@ -120,6 +131,12 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
                         "benchmarks; smaller bounds how long a prefill step holds up the decodes beside it)")
     g.add_argument("--max-running", type=int, default=64, help="sequences each executor runs per step")
     g.add_argument("--max-waiting", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
+    g.add_argument("--num-scheduler-steps", type=scheduler_steps, default=1,
+                   help="decode bursts: an executor running only decodes computes up to this many tokens per "
+                        "sequence in one step, each forward fed its own last sample (as vLLM's multi-step "
+                        "scheduling; at most 64). Fewer Step and Execute round trips per token; tokens stream in "
+                        "groups, a stop mid-burst wastes the rest of it, and a new request waits for the burst "
+                        "to end (default 1: off)")
     g.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
                    help="plan each step only after the previous one returned (default: the next step of an "
                         "executor is planned and sent while its current one runs)")
@@ -129,7 +146,8 @@ def scheduling_argv(args: argparse.Namespace) -> list[str]:
     """The gateway flags that reproduce ``args``' scheduling options."""
     argv = ["--policy", args.policy, "--max-batch-tokens", str(args.max_batch_tokens),
             "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting),
-            "--stream-interval", str(args.stream_interval)]
+            "--stream-interval", str(args.stream_interval),
+            "--num-scheduler-steps", str(args.num_scheduler_steps)]
     if not args.plan_ahead:
         argv.append("--no-plan-ahead")
     return argv
@@ -185,6 +203,7 @@ def config_from_args(args: argparse.Namespace):
                                              max_prompt_tokens=args.max_prompt_tokens,
                                              stream_interval=args.stream_interval,
                                              step_timeout_s=args.step_timeout_s, plan_ahead=args.plan_ahead,
+                                             num_scheduler_steps=args.num_scheduler_steps,
                                              executor_info_timeout_s=args.executor_info_timeout_s,
                                              caps=caps, recovery=RecoveryConfig(args.max_retries,
                                                                                 args.recovery_timeout_s)),

@@ -26,6 +26,7 @@ from kvpager.telemetry import get_logger
 from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
 from gateway import failures, metrics, wire
 from gateway.beam import BeamSearch
+from gateway.bursts import MAX_STEPS
 from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
 from gateway.failures import FailureLog, for_client
@@ -59,6 +60,9 @@ class EngineConfig:
     # Plan each executor's next step while its current one runs, decodes fed
     # with the executor's own samples (hides the Step and Execute round trips).
     plan_ahead: bool = True
+    # > 1: an executor running only decodes takes up to this many tokens per
+    # sequence in one step (gateway.bursts; vLLM's --num-scheduler-steps).
+    num_scheduler_steps: int = 1
     caps: RequestCaps = field(default_factory=RequestCaps)  # what one request may ask (docs/security.md)
     # Streams that outlive a lost memory service or executor (gateway/recovery.py).
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
@@ -79,6 +83,8 @@ class _Inflight:
 class Engine:
     def __init__(self, config: EngineConfig, memory: MemoryClient, tokenizer, *,
                  executor_tls=None, executor_token: str | None = None) -> None:
+        if not 1 <= config.num_scheduler_steps <= MAX_STEPS:
+            raise ValueError(f"num_scheduler_steps must be in [1, {MAX_STEPS}], got {config.num_scheduler_steps}")
         self.config = config
         self.memory = memory
         self.tokenizer = tokenizer
@@ -87,7 +93,8 @@ class Engine:
                                    tls=executor_tls, token=executor_token, caps=config.caps,
                                    stream_interval=config.stream_interval,
                                    info_timeout_s=config.executor_info_timeout_s, on_join=self._wake.set)
-        self.scheduler = Scheduler(make_policy(config.policy), config.max_batch_tokens, config.max_running)
+        self.scheduler = Scheduler(make_policy(config.policy), config.max_batch_tokens, config.max_running,
+                                   config.num_scheduler_steps)
         self.sequences = SequenceTable()
         self.outbox = Outbox()
         self.stats = RequestStats()
@@ -265,7 +272,7 @@ class Engine:
         for call in self._inflight:
             running[call.ex.executor_id] = running.get(call.ex.executor_id, 0) + 1
         idle = [eid for eid in self.executors if running.get(eid, 0) < self._depth]
-        batch = self.scheduler.schedule(self.sequences, idle)
+        batch = self.scheduler.schedule(self.sequences, idle, self.executors.limits.max_model_len if idle else 0)
         if not (batch or self.sequences.changes):
             self.outbox.flush()
             if self.sequences.seqs and not self._inflight:
@@ -280,6 +287,8 @@ class Engine:
         metrics.ROWS_FED_AHEAD.inc(len(pending))
         request = wire.step_request(self._step_id, changes, batch, self.executors.clients,
                                     [s.seq_id for s in pending])
+        if batch.lookahead:
+            metrics.TOKENS_SAMPLED_AHEAD.inc(sum(batch.lookahead))
         try:
             plan = await self.memory.step(request, self.config.step_timeout_s)
         except (Unavailable, NotFound, FailedPrecondition) as exc:
@@ -377,10 +386,14 @@ class Engine:
                 sampled[req] = sampled.get(req, 0) + 1
                 self.beams.candidates(seq, result.top_ids, result.top_logprobs)
                 continue
-            sampled[req] = sampled.get(req, 0) + len(result.tokens)
             if seq.seq_id not in self.sequences:
+                sampled[req] = sampled.get(req, 0) + len(result.tokens)
                 continue  # aborted while the step ran
             try:
+                if result.row.burst:
+                    sampled[req] = sampled.get(req, 0) + self._accept_burst(seq, result)
+                    continue
+                sampled[req] = sampled.get(req, 0) + len(result.tokens)
                 if len(result.tokens) > 1:
                     self.completions.fan_out(seq, result.tokens, result.logprobs, result.top)
                 else:
@@ -389,6 +402,18 @@ class Engine:
                 self.fail_on_bug(seq.request, "taking its sampled tokens")
         self.beams.finish_step()
         self.stats.tokens(sampled, time.perf_counter())
+
+    def _accept_burst(self, seq: Seq, result: wire.RowResult) -> int:
+        """A decode burst's samples in order, until one ends the sequence (the
+        rest were computed past its end: discarded). Returns the tokens taken."""
+        taken = 0
+        for token, logprob in zip(result.tokens, result.logprobs):
+            if seq.seq_id not in self.sequences:
+                metrics.TOKENS_SAMPLED_AHEAD_DISCARDED.inc(len(result.tokens) - taken)
+                break
+            self.completions.accept(seq, seq.completion, token, logprob, None)
+            taken += 1
+        return taken
 
     def fail_on_bug(self, req: Request, doing: str) -> None:
         self.completions.fail_on_bug(req, doing)

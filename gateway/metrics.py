@@ -113,6 +113,12 @@ SEQUENCES_READMITTED = Counter("kvpager_gateway_sequences_readmitted_total",
 ROWS_FED_AHEAD = Counter("kvpager_gateway_rows_fed_ahead_total",
                          "Decode rows sent fed with the token the executor's step before was still sampling.",
                          registry=REGISTRY)
+TOKENS_SAMPLED_AHEAD = Counter("kvpager_gateway_tokens_sampled_ahead_total",
+                               "Tokens planned to be sampled ahead within a step (decode bursts, "
+                               "--num-scheduler-steps).", registry=REGISTRY)
+TOKENS_SAMPLED_AHEAD_DISCARDED = Counter("kvpager_gateway_tokens_sampled_ahead_discarded_total",
+                                         "Tokens a decode burst computed past its sequence's end (a stop "
+                                         "condition mid-burst): discarded, never streamed.", registry=REGISTRY)
 STEP_SECONDS = Histogram("kvpager_gateway_step_seconds", "Engine step time by phase (plan | execute | total).",
                          ["phase"], registry=REGISTRY,
                          buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10))

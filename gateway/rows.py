@@ -5,7 +5,9 @@ samples (n first tokens, one token, beam candidates, logprobs, logit bias).
 Building the rows also marks what the plan granted on the sequences:
 admitted, running, computed through. With steps planned ahead
 (docs/architecture.md, "Steps planned ahead") a row may end with a
-placeholder: the token the executor is still sampling in the step before.
+placeholder: the token the executor is still sampling in the step before;
+a decode burst's row ends with the placeholders of the tokens it samples
+ahead (gateway.bursts), which the executor fills itself.
 """
 
 from __future__ import annotations
@@ -41,9 +43,14 @@ class RowBuilder:
             seq.status = SeqStatus.RUNNING
             seq.num_computed = p.start + p.num_tokens
             row = wire.Row(seq, p.start, seq.tokens[p.start:seq.num_computed])
-            ahead = seq.num_computed > len(seq.tokens)  # fed the token a step in flight samples
-            if ahead:
-                row.token_ids.append(wire.PLACEHOLDER)
+            # Placeholders at the memory service now: the token a step in flight samples
+            # (counted before the Step) and those this plan granted to sample ahead.
+            unknown = seq.num_computed - len(seq.tokens)
+            row.burst = max(0, unknown - seq.placeholders)
+            seq.placeholders += row.burst
+            ahead = unknown > row.burst  # fed the token a step in flight samples
+            if unknown > 0:
+                row.token_ids.extend([wire.PLACEHOLDER] * unknown)
             spec = req.spec
             if spec.penalized and p.started and p.start:
                 row.history = seq.tokens[:p.start]  # the executor keeps the rest (executor_service/history.py)
@@ -70,7 +77,8 @@ class RowBuilder:
         if spec.processed:
             row.bias = logit_bias_for(spec, num_output, eos_ids)
         seq.sampling += 1
-        seq.feed_ahead = self.plan_ahead and row.num_samples == 1 and \
+        # A burst's samples come back together: the next step is planned after it returns.
+        seq.feed_ahead = self.plan_ahead and row.num_samples == 1 and not row.burst and \
             _may_continue(seq, num_output + 1, max_model_len)
 
 

@@ -4,7 +4,9 @@ The order is a policy (one method, ``key``; chosen by name through
 ``make_policy``); the budget is per executor and step, since each executor
 runs its own forward: at most ``max_batch_tokens`` tokens (prefill chunks
 and decodes together) and ``max_running`` sequences. A prefill that does not
-fit whole is chunked by what is left of the budget.
+fit whole is chunked by what is left of the budget. An executor whose every sequence is
+a running decode may take a decode burst of ``num_steps`` tokens each
+(gateway.bursts).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gateway.bursts import lookaheads
 from gateway.state import Seq
 from kvpager.seq_status import SeqStatus
 
@@ -65,6 +68,8 @@ class Batch:
     seqs: list[Seq] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)   # at most this many not-yet-computed tokens each
     new: list[Seq] = field(default_factory=list)          # not yet known to the memory service
+    # Per entry of seqs (empty: none): tokens it samples ahead in a decode burst.
+    lookahead: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -75,26 +80,37 @@ class Scheduler:
     policy: SchedulingPolicy
     max_batch_tokens: int = 2048
     max_running: int = 64
+    num_steps: int = 1  # > 1: decode bursts of up to this many tokens (gateway.bursts)
 
-    def schedule(self, seqs: Iterable[Seq], idle: Collection[str]) -> Batch:
+    def schedule(self, seqs: Iterable[Seq], idle: Collection[str], max_model_len: int = 0) -> Batch:
         """The work of the executors in ``idle`` (the others cannot take a step
         now). A sequence whose next token a step in flight samples and that may
-        be fed ahead (``Seq.feed_ahead``) counts that token as its next to compute."""
+        be fed ahead (``Seq.feed_ahead``) counts that token as its next to compute.
+        ``max_model_len``: the executors' context limit (bursts stay under it)."""
         budget = dict.fromkeys(idle, self.max_batch_tokens)
         running = dict.fromkeys(idle, 0)
         open_executors = len(budget)
         batch = Batch()
+        bursts = self.num_steps > 1 and max_model_len > 0
+        mixed: set[str] = set()  # executors with work other than running decodes: no burst
+        fed: list[bool] = []     # per batch entry: its input token is being sampled in flight
         for s in sorted(seqs, key=self.policy.key):
-            if open_executors == 0:
+            if open_executors == 0 and not bursts:
                 break
             eid = s.executor_id
-            if budget.get(eid, 0) <= 0:
-                continue
             remaining = len(s.tokens) - s.num_computed
-            if s.feed_ahead and s.status is SeqStatus.RUNNING:
+            ahead = s.feed_ahead and s.status is SeqStatus.RUNNING
+            if ahead:
                 remaining += 1  # the token being sampled, fed as a placeholder
+            if budget.get(eid, 0) <= 0:
+                if bursts and eid in budget and remaining > 0:
+                    mixed.add(eid)  # work left out of this step: it waits for the next
+                continue
             if remaining <= 0:
                 continue
+            if bursts and (s.status is not SeqStatus.RUNNING or remaining != 1):
+                mixed.add(eid)
+            fed.append(ahead and remaining == 1 and len(s.tokens) == s.num_computed)
             k = min(remaining, budget[eid])
             budget[eid] -= k
             running[eid] += 1
@@ -105,4 +121,20 @@ class Scheduler:
             batch.num_tokens.append(k)
             if not s.created:
                 batch.new.append(s)
+        if bursts and len(mixed) < len(budget):
+            self._bursts(batch, fed, mixed, max_model_len)
         return batch
+
+    def _bursts(self, batch: Batch, fed: list[bool], mixed: set[str], max_model_len: int) -> None:
+        """batch.lookahead for the executors whose every sequence is a running decode in the batch."""
+        rows: dict[str, list[int]] = {}
+        for i, s in enumerate(batch.seqs):
+            if s.executor_id not in mixed:
+                rows.setdefault(s.executor_id, []).append(i)
+        ahead = [0] * len(batch.seqs)
+        for idx in rows.values():
+            for i, m in zip(idx, lookaheads([batch.seqs[i] for i in idx], [fed[i] for i in idx],
+                                            self.num_steps, max_model_len)):
+                ahead[i] = m
+        if any(ahead):
+            batch.lookahead = ahead

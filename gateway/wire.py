@@ -47,7 +47,8 @@ def new_sequence(seq: Seq, ex: ExecutorClient) -> memory_pb2.NewSequence:
 def step_request(step_id: int, changes: Changes, batch: Batch,
                  executors: dict[str, ExecutorClient], pending: list[int] = ()) -> memory_pb2.StepRequest:
     """``pending``: sequences whose next token a step in flight is sampling
-    and that this step feeds (placeholders at the memory service)."""
+    and that this step feeds (placeholders at the memory service);
+    ``batch.lookahead``: tokens each samples ahead (a decode burst)."""
     app = list(changes.appends)
     appended = None
     if app:
@@ -66,7 +67,7 @@ def step_request(step_id: int, changes: Changes, batch: Batch,
         free_seq_ids=pack_i64(changes.free), abort_seq_ids=pack_i64(changes.abort),
         new_sequences=[new_sequence(s, executors[s.executor_id]) for s in batch.new],
         schedule_seq_ids=pack_i64(s.seq_id for s in batch.seqs), schedule_num_tokens=pack_i32(batch.num_tokens),
-        pending_seq_ids=pack_i64(pending))
+        pending_seq_ids=pack_i64(pending), schedule_lookahead=pack_i32(batch.lookahead))
 
 
 # ---- the plan ---------------------------------------------------------------------------
@@ -145,6 +146,7 @@ class Row:
     seeds: list[int] = field(default_factory=list)    # one per sampled token
     bias: tuple[tuple[int, float], ...] = ()          # logit bias of this row's draw
     history: list[int] | None = None                  # penalised start: its tokens in cache, sent once
+    burst: int = 0                                    # tokens sampled ahead (a decode burst): 1 + burst come back
 
 
 def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPlan,
@@ -154,8 +156,11 @@ def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPla
     tokens, starts = array("i"), array("i")
     num_samples, temps, top_ps, top_ks, seeds, tops = (array("i"), array("f"), array("f"), array("i"),
                                                         array("q"), array("i"))
-    want_logprobs = processed = False
+    want_logprobs = processed = fed = False
+    burst = 0
     for row in rows:
+        burst = max(burst, row.burst)
+        fed = fed or row.token_ids[0] == PLACEHOLDER
         spec = row.seq.request.spec
         tokens.extend(row.token_ids)
         starts.append(row.start)
@@ -176,7 +181,7 @@ def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPla
     return executor_pb2.ExecuteRequest(
         step_id=step_id, incarnation=incarnation, plan=plan, context_lens=array_bytes(starts),
         token_ids=array_bytes(tokens), sampling=sampling,
-        prev_step_id=prev_step_id if PLACEHOLDER in tokens else 0)
+        prev_step_id=prev_step_id if fed else 0, decode_steps=burst + 1 if burst else 0)
 
 
 def _add_processing(sampling: executor_pb2.SamplingBatch, rows: list[Row]) -> None:
@@ -229,7 +234,7 @@ def row_results(rows: Iterable[Row], resp: executor_pb2.ExecuteResponse) -> list
     out = []
     pos = 0
     for i, row in enumerate(rows):
-        n = row.num_samples
+        n = row.num_samples + row.burst
         if row.num_top and not n:  # beam search: candidates only
             a, b = top_offsets[i], top_offsets[i + 1]
             out.append(RowResult(row, top_ids=list(top_ids[a:b]), top_logprobs=list(top_lps[a:b])))

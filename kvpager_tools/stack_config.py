@@ -154,6 +154,8 @@ class StackOptions:
     max_model_len: int = dataclasses.field(default=0, metadata={"help": "context limit of the executors (0: the model's)"})
     max_batch_tokens: int = dataclasses.field(default=0, metadata={"help": "gateway: tokens per executor and step"})
     max_running: int = dataclasses.field(default=0, metadata={"help": "gateway: sequences per executor and step"})
+    num_scheduler_steps: int = dataclasses.field(default=0, metadata={
+        "help": "gateway: decode burst length (0: the gateway's default)"})
     routing: str = dataclasses.field(default="", metadata={"help": "gateway: prefix | round-robin"})
     metrics: bool = dataclasses.field(default=False, metadata={"help": "Prometheus endpoints on"})
     gateway_args: str = dataclasses.field(default="", metadata={"help": "extra gateway flags, one string"})
@@ -175,7 +177,7 @@ class StackOptions:
         if self.max_model_len:
             args["executor"] += ["--max-model-len", str(self.max_model_len)]
         for flag, value in (("--max-batch-tokens", self.max_batch_tokens), ("--max-running", self.max_running),
-                            ("--routing", self.routing)):
+                            ("--num-scheduler-steps", self.num_scheduler_steps), ("--routing", self.routing)):
             if value:
                 args["gateway"] += [flag, str(value)]
         for role, flags in (extra or {}).items():

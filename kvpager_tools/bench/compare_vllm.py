@@ -63,6 +63,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="transformers reference on the first N prompts (default: all for llama-30m, 8 otherwise)")
     p.add_argument("--max-batch-tokens", type=int, default=0, help="gateway per-step token budget (0: default)")
     p.add_argument("--max-running", type=int, default=0, help="gateway sequences per step (0: default)")
+    p.add_argument("--num-scheduler-steps", type=int, default=0,
+                   help="gateway decode burst length (0: the gateway's default)")
     p.add_argument("--stream-interval", type=int, default=None,
                    help="the kvpager requests' stream_interval (default: --max-new-tokens, each completion "
                         "returned once, as vLLM's offline LLM.generate returns it; 1 streams every token)")
@@ -212,7 +214,7 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
 def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
             vllm_python: Path, vllm_timeout_s: float = 1800.0, parity_sample: int | None = None,
             max_batch_tokens: int = 0, max_running: int = 0, settle_s: float = 1.0,
-            stream_interval: int = 0) -> dict:
+            stream_interval: int = 0, num_scheduler_steps: int = 0) -> dict:
     """Both engines loaded side by side, their timed rounds interleaved
     (vLLM, kvpager, vLLM, ...; ``settle_s`` between rounds for the other
     engine's spinning OpenMP threads to sleep). ``stream_interval``: the
@@ -221,7 +223,8 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
     total_new = n * max_new_tokens
     need_blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
     opts = bc.StackOptions(model=model, dtype=dtype, num_blocks=max(256, need_blocks + 64),
-                           max_batch_tokens=max_batch_tokens, max_running=max_running)
+                           max_batch_tokens=max_batch_tokens, max_running=max_running,
+                           num_scheduler_steps=num_scheduler_steps)
     kv_times, kv_outs, vllm_rounds = [], [], []
     with VllmSession(vllm_python, model, dtype, prompts, max_new_tokens, vllm_timeout_s) as vllm:
         bc.progress(NAME, f"vLLM ready (load {vllm.ready['load_s']:.0f}s); kvpager: starting the stack ({dtype})")
@@ -261,6 +264,7 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
         "settings": {"kvpager": {"stack": "kvpager up defaults", "dtype": dtype, "num_blocks": opts.num_blocks,
                                  "max_batch_tokens": max_batch_tokens or "default",
                                  "max_running": max_running or "default",
+                                 "num_scheduler_steps": num_scheduler_steps or "default",
                                  "stream_interval": stream_interval or "gateway default (1)"},
                      "vllm": final["settings"]},
     }
@@ -281,11 +285,13 @@ def _main(args: argparse.Namespace) -> int:
 
         result = compare_online(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
                                 vllm_python=python, vllm_timeout_s=args.vllm_timeout_s,
-                                max_batch_tokens=args.max_batch_tokens, max_running=args.max_running)
+                                max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
+                                num_scheduler_steps=args.num_scheduler_steps)
     else:
         result = compare(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
                          vllm_python=python, vllm_timeout_s=args.vllm_timeout_s, parity_sample=parity,
                          max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
+                         num_scheduler_steps=args.num_scheduler_steps,
                          stream_interval=args.max_new_tokens if args.stream_interval is None else args.stream_interval)
     from kvpager_tools.bench.serve import machine
 

@@ -91,7 +91,7 @@ def _summary(rounds: list[dict]) -> dict:
 
 def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
                    vllm_python: Path, vllm_timeout_s: float = 1800.0, max_batch_tokens: int = 0,
-                   max_running: int = 0) -> dict:
+                   max_running: int = 0, num_scheduler_steps: int = 0) -> dict:
     requests = [bc.BenchRequest(prompt_ids=p, max_tokens=max_new_tokens) for p in prompts]
     total = len(prompts) * max_new_tokens
     max_len = max(512, max(len(p) for p in prompts) + max_new_tokens + 1)
@@ -100,7 +100,8 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
         vllm_rounds = _rounds(base, requests, repeats, "vllm")
     need_blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
     opts = bc.StackOptions(model=model, dtype=dtype, num_blocks=max(256, need_blocks + 64),
-                           max_batch_tokens=max_batch_tokens, max_running=max_running)
+                           max_batch_tokens=max_batch_tokens, max_running=max_running,
+                           num_scheduler_steps=num_scheduler_steps)
     bc.progress(NAME, f"kvpager: starting the stack with its HTTP API ({dtype})")
     with bc.embedded_stack(opts) as stack:
         kv_rounds = _rounds(stack.addresses.http, requests, repeats, "kvpager")
@@ -121,7 +122,8 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
                                "temperature 0, ignore_eos, every request at once",
                      "kvpager": {"stack": "kvpager up defaults, HTTP API", "num_blocks": opts.num_blocks,
                                  "max_batch_tokens": max_batch_tokens or "default",
-                                 "max_running": max_running or "default"},
+                                 "max_running": max_running or "default",
+                                 "num_scheduler_steps": num_scheduler_steps or "default"},
                      "vllm": {"server": "vllm.entrypoints.openai.api_server (vllm_runner.py --serve-port)",
                               "max_model_len": max_len, "max_num_seqs": max(32, len(prompts)),
                               "prefix_caching": False, "skip_tokenizer_init": True}},

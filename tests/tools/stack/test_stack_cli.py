@@ -48,7 +48,7 @@ def test_up_two_executors_exact_command_lines():
                                 "--model", "/models/m", "--http-port", "8000", "--redis-url", "redis://cache:6379/0",
                                 "--grace-s", "30", "--log-level", "INFO", "--policy", "priority",
                                 "--max-batch-tokens", "2048", "--max-running", "64", "--max-waiting", "1024",
-                                "--stream-interval", "1"]
+                                "--stream-interval", "1", "--num-scheduler-steps", "1"]
     assert [c.address for c in children] == ["127.0.0.1:50051", "127.0.0.1:50060", "127.0.0.1:50061",
                                              "127.0.0.1:50050"]
     assert [c.metrics_port for c in children] == [9100, 9102, 9103, 9101]
@@ -75,17 +75,19 @@ def test_up_passes_every_gateway_scheduling_option():
     from gateway.cli import SCHEDULING_DESTS, add_arguments
 
     gateway = children_for("--policy", "fcfs", "--max-batch-tokens", "96", "--max-running", "7",
-                           "--max-waiting", "33", "--stream-interval", "5", "--no-plan-ahead")[-1].argv
+                           "--max-waiting", "33", "--stream-interval", "5", "--num-scheduler-steps", "6",
+                           "--no-plan-ahead")[-1].argv
     flags = gateway[gateway.index("--policy"):]
     assert flags == ["--policy", "fcfs", "--max-batch-tokens", "96", "--max-running", "7", "--max-waiting", "33",
-                     "--stream-interval", "5", "--no-plan-ahead"]
+                     "--stream-interval", "5", "--num-scheduler-steps", "6", "--no-plan-ahead"]
     import argparse
 
     p = argparse.ArgumentParser()
     add_arguments(p)
     got = p.parse_args(["--model", "m", *flags])
     assert {d: getattr(got, d) for d in SCHEDULING_DESTS} == dict(
-        policy="fcfs", max_batch_tokens=96, max_running=7, max_waiting=33, stream_interval=5, plan_ahead=False)
+        policy="fcfs", max_batch_tokens=96, max_running=7, max_waiting=33, stream_interval=5, plan_ahead=False,
+        num_scheduler_steps=6)
     # every option of the gateway's scheduling group is one `kvpager up` takes
     group = next(g for g in p._action_groups if g.title.startswith("scheduling"))
     assert {a.dest for a in group._group_actions} == set(SCHEDULING_DESTS)

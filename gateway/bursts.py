@@ -1,0 +1,80 @@
+"""Decode bursts: how many tokens a running decode may sample ahead in one step.
+
+With ``--num-scheduler-steps K`` (as vLLM's multi-step scheduling) an
+executor whose every sequence is a running decode runs up to K one-token
+forwards in one Execute, each fed its own last sample; the memory service
+allocates the slots in one plan (``schedule_lookahead``). One Step and one
+Execute then serve K tokens per sequence: the control plane's cost per
+token drops K-fold. The price is what multi-step always costs: a stop
+string or token found mid-burst wastes the rest of that burst's forwards
+for that sequence (discarded, never streamed), a sequence that ends inside
+a burst is answered at the burst's end, and a request arriving mid-burst
+waits for the burst's end to be admitted (bursts only run while nothing
+waits to prefill).
+
+A row samples ahead only when every token of the burst samples the same way
+it would one step at a time: one completion (not a beam, not the first
+token of n > 1), no penalties (they need the tokens of the burst itself),
+no top logprobs, past ``min_tokens`` (whose stop-token mask changes as
+tokens come), and room left under ``max_tokens`` and the context limit.
+Seeded sampling is keyed by (seed, position), so a burst draws exactly what
+single steps draw.
+
+A burst is never longer than any of its sequences' wait for their next
+streamed delta (``stream_interval``): a client reading every token keeps
+one token per step (no burst), one reading every k tokens (or only the
+end: non-streaming HTTP, offline batches) gets its deltas no later than
+without bursts, only with fewer round trips between them.
+"""
+
+from __future__ import annotations
+
+from gateway.state import Seq
+
+# The longest burst: the executor's MAX_DECODE_STEPS, the memory service's MAX_LOOKAHEAD + 1.
+MAX_STEPS = 64
+
+
+def room(seq: Seq, fed: bool, max_model_len: int) -> int:
+    """Tokens ``seq`` may sample in one burst (>= 1), or 0 when it must step
+    one token at a time (then its executor does not burst: its one token per
+    step would wait for everyone's burst). ``fed``: its next input token is
+    still being sampled by a step in flight."""
+    req = seq.request
+    spec = req.spec
+    if spec.beam_width > 1 or spec.penalized or spec.top_logprobs or (spec.n > 1 and not seq.sampled_first) \
+            or seq.completion is None:
+        return 0
+    num_output = len(seq.completion.output_ids) + fed  # before the burst's first sample
+    if num_output < spec.min_tokens:
+        return 0
+    total = len(seq.tokens) + fed  # its tokens once the one in flight is in
+    return max(1, min(spec.max_tokens - num_output, max_model_len - total))
+
+
+def to_next_delta(seq: Seq, fed: bool) -> int:
+    """Tokens until ``seq``'s next streamed delta (its request's
+    stream_interval): a burst no longer than this delivers it no later."""
+    comp = seq.completion
+    num_output = len(comp.output_ids) + fed
+    return max(1, comp.sent_tokens + seq.request.spec.stream_interval - num_output)
+
+
+def lookaheads(seqs: list[Seq], fed: list[bool], steps: int, max_model_len: int) -> list[int]:
+    """One executor's decodes (all running, all in the step): the tokens each
+    samples ahead. The burst is at most ``steps`` long and no longer than
+    any sequence's wait for its next streamed delta (unless that delta is
+    its last: it ends within the burst), so a client streaming every k
+    tokens gets each delta no later than without bursts; a sequence that
+    must step one at a time turns bursts off for the executor."""
+    burst = steps
+    rooms = []
+    for s, f in zip(seqs, fed):
+        r = room(s, f, max_model_len)
+        if not r:
+            return [0] * len(seqs)
+        d = to_next_delta(s, f)
+        if d < r:
+            burst = min(burst, d)
+        rooms.append(r)
+    return [min(burst, r) - 1 for r in rooms]

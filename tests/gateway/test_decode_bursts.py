@@ -1,0 +1,177 @@
+"""Decode bursts (--num-scheduler-steps, gateway.bursts): an executor running
+only decodes computes several tokens per sequence in one step. What clients
+get is exactly what a stack without bursts gives — greedy against
+transformers' generate, seeded sampling, logprobs, penalties and top
+logprobs (those rows step one at a time), stop tokens and strings mid-burst,
+short limits, min_tokens, n > 1 — and every block comes back, including when
+a stop or a cancel lands mid-burst and when requests arrive while bursts run."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import pytest_asyncio
+from gateway_harness import generate, start_stack
+
+from gateway import metrics
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stacks(model):
+    # Requests that set no stream_interval get their completion in deltas of 64 (in one piece, here).
+    bursts = await start_stack(model, num_blocks=160, block_size=4, num_scheduler_steps=4, stream_interval=64)
+    plain = await start_stack(model, num_blocks=160, block_size=4)
+    assert bursts.gateway.engine.scheduler.num_steps == 4 and plain.gateway.engine.scheduler.num_steps == 1
+    yield bursts, plain
+    await bursts.stop()
+    await plain.stop()
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
+
+
+def sampled_ahead() -> float:
+    return metrics.TOKENS_SAMPLED_AHEAD._value.get()
+
+
+def discarded() -> float:
+    return metrics.TOKENS_SAMPLED_AHEAD_DISCARDED._value.get()
+
+
+async def both(stacks, prompt_list, **kw):
+    """Each prompt's completions on the bursting stack and on the plain one."""
+    out = []
+    for s in stacks:
+        out.append(await asyncio.gather(*(generate(s.gw, p, **kw) for p in prompt_list)))
+        await s.wait_idle()
+    return out
+
+
+async def test_greedy_batch_bursts_and_matches_generate(stacks, oracle):
+    bursts, _ = stacks
+    batch = prompts(6, seed=1)
+    before = sampled_ahead()
+    results = await asyncio.gather(*(generate(bursts.gw, p, max_tokens=13, ignore_eos=True) for p in batch))
+    assert sampled_ahead() - before >= 6 * 3  # the decodes did run in bursts
+    for p, res in zip(batch, results):
+        assert res[0][0] == oracle.greedy(p, 13, min_new_tokens=13), p
+        assert res[0][3].completion_tokens == 13
+    await bursts.wait_idle()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.9, top_p=0.9, seed=7),
+    dict(temperature=0.8, seed=11, logprobs=1),
+    dict(temperature=0.7, top_k=20, seed=3, frequency_penalty=0.8, presence_penalty=0.5),
+    dict(temperature=0.8, seed=5, logprobs=1, top_logprobs=3),
+    dict(temperature=0.8, seed=9, min_tokens=6, logit_bias={7: 2.0}),
+    dict(temperature=0.9, seed=13, n=2),
+], ids=["seeded", "logprobs", "penalties", "top-logprobs", "min-tokens-bias", "n2"])
+async def test_sampling_is_the_same_in_bursts(stacks, kw):
+    got_bursts, got_plain = await both(stacks, prompts(4, seed=3), max_tokens=10, ignore_eos=True, **kw)
+    for a, b in zip(got_bursts, got_plain):
+        assert a.keys() == b.keys()
+        for i in a:
+            assert a[i][0] == b[i][0] and a[i][1] == b[i][1]
+            assert len(a[i][0]) == 10
+
+
+async def test_stop_token_mid_burst_ends_there_and_frees_blocks(stacks, oracle):
+    """The burst computed past the stop: those tokens are discarded, never streamed."""
+    batch = prompts(4, seed=4)
+    stops = []
+    for p in batch:
+        greedy = oracle.greedy(p, 12, min_new_tokens=12)
+        stops.append(next((t for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i]), greedy[3]))
+    before = discarded()
+    for s in stacks:
+        results = await asyncio.gather(*(generate(s.gw, p, max_tokens=12, ignore_eos=True, stop_token_ids=[t])
+                                         for p, t in zip(batch, stops)))
+        for p, t, res in zip(batch, stops, results):
+            greedy = oracle.greedy(p, 12, min_new_tokens=12)
+            assert res[0][0] == greedy[:greedy.index(t) + 1]
+        await s.wait_idle()
+    assert discarded() > before
+
+
+async def test_stop_string_and_short_limits(stacks):
+    batch = prompts(3, seed=5)
+    for max_tokens in (1, 2, 3, 5):
+        a, b = await both(stacks, batch, max_tokens=max_tokens, ignore_eos=True)
+        assert [r[0][0] for r in a] == [r[0][0] for r in b]
+        assert all(len(r[0][0]) == max_tokens for r in a)
+    text = (await generate(stacks[1].gw, batch[0], max_tokens=12, ignore_eos=True))[0][1]
+    stop = text[len(text) // 2:len(text) // 2 + 2] or text[:1]
+    a, b = await both(stacks, batch[:1], max_tokens=12, ignore_eos=True, stop=[stop])
+    assert a[0][0][0] == b[0][0][0] and a[0][0][1] == b[0][0][1]  # tokens and text up to the stop
+    assert stop not in a[0][0][1] and len(a[0][0][1]) < len(text)
+
+
+async def test_requests_arriving_while_bursts_run(stacks, oracle):
+    """A new request waits for the burst in flight, then prefills (no burst
+    beside it); everyone gets generate's tokens and every block returns."""
+    bursts, _ = stacks
+    batch = prompts(8, seed=6)
+    tasks = []
+    for p in batch:
+        tasks.append(asyncio.ensure_future(generate(bursts.gw, p, max_tokens=16, ignore_eos=True)))
+        await asyncio.sleep(0.03)
+    for p, res in zip(batch, await asyncio.gather(*tasks)):
+        assert res[0][0] == oracle.greedy(p, 16, min_new_tokens=16), p
+    await bursts.wait_idle()
+
+
+async def test_bursts_never_delay_a_streamed_delta(stacks, oracle):
+    """A client reading every token keeps one token per step; one reading
+    every 3 tokens gets bursts of at most 3, its deltas on time."""
+    from kvpager.v1 import gateway_pb2
+    from kvpager_tools.generate import stream_generate
+    from gateway_harness import params
+
+    bursts, _ = stacks
+    p = prompts(1, seed=8)[0]
+    for interval, most in ((1, 0), (3, 2)):
+        before = sampled_ahead()
+        sizes = []
+        req = gateway_pb2.GenerateRequest(prompt_token_ids=p, stream_interval=interval,
+                                          sampling_params=params(max_tokens=10, ignore_eos=True))
+        out = await stream_generate(bursts.gw, req, timeout_s=60,
+                                    on_chunk=lambda resp, _: sizes.append(len(resp.token_ids)))
+        assert out.completions[0].token_ids == oracle.greedy(p, 10, min_new_tokens=10)
+        assert sizes == [interval] * (10 // interval) + ([10 % interval] if 10 % interval else [])
+        ahead = sampled_ahead() - before
+        assert ahead <= most * 10 and (ahead > 0) == (most > 0)
+        await bursts.wait_idle()
+
+
+async def test_cancel_mid_burst_returns_blocks(stacks):
+    bursts, _ = stacks
+    tasks = [asyncio.ensure_future(generate(bursts.gw, p, max_tokens=200, ignore_eos=True))
+             for p in prompts(4, seed=7)]
+    await asyncio.sleep(0.3)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await bursts.wait_idle()
+    res = await generate(bursts.gw, [5, 6, 7], max_tokens=6, ignore_eos=True)  # and it serves on
+    assert len(res[0][0]) == 6
+    await bursts.wait_idle()
+
+
+def test_the_flag_is_bounded():
+    import argparse
+
+    from gateway.cli import add_scheduling_arguments
+
+    p = argparse.ArgumentParser()
+    add_scheduling_arguments(p)
+    assert p.parse_args(["--num-scheduler-steps", "8"]).num_scheduler_steps == 8
+    for bad in ("0", "65"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--num-scheduler-steps", bad])
