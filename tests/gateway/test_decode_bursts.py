@@ -162,16 +162,3 @@ async def test_cancel_mid_burst_returns_blocks(stacks):
     res = await generate(bursts.gw, [5, 6, 7], max_tokens=6, ignore_eos=True)  # and it serves on
     assert len(res[0][0]) == 6
     await bursts.wait_idle()
-
-
-def test_the_flag_is_bounded():
-    import argparse
-
-    from gateway.cli import add_scheduling_arguments
-
-    p = argparse.ArgumentParser()
-    add_scheduling_arguments(p)
-    assert p.parse_args(["--num-scheduler-steps", "8"]).num_scheduler_steps == 8
-    for bad in ("0", "65"):
-        with pytest.raises(SystemExit):
-            p.parse_args(["--num-scheduler-steps", bad])

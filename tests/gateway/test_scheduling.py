@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from gateway.cli import add_arguments, config_from_args
 from gateway.params import SamplingSpec
 from gateway.scheduling import DEFAULT_POLICY, FcfsPolicy, PriorityPolicy, Scheduler, make_policy
@@ -89,3 +91,16 @@ def test_no_burst_beside_other_work_or_a_row_that_steps_alone():
     assert bursts([decode(0), decode(1, min_tokens=4, out=1)]) == {0: 0, 1: 0}
     # another executor's waiting request does not stop this one's burst
     assert bursts([decode(0), seq(1), decode(2, executor="f")], idle=("e", "f")) == {0: 0, 1: 0, 2: 7}
+
+
+def test_the_burst_flag_is_bounded():
+    import argparse
+
+    from gateway.cli import add_scheduling_arguments
+
+    p = argparse.ArgumentParser()
+    add_scheduling_arguments(p)
+    assert p.parse_args(["--num-scheduler-steps", "8"]).num_scheduler_steps == 8
+    for bad in ("0", "65"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--num-scheduler-steps", bad])
