@@ -95,3 +95,24 @@ async def test_preemption_keeps_grouped_outputs_exact(family, mode, swap_min_tok
         assert getattr(t, f"preemptions_{mode}") > 0, t
     finally:
         await stack.stop()
+
+
+async def test_decode_bursts_across_the_window_are_exact(family):
+    """Bursts of 8 (--num-scheduler-steps) past the window: each group's slots
+    for the whole burst come in one plan, and what the window frees never
+    includes what a burst's earlier forwards still read."""
+    name, model, oracle = family
+    from gateway import metrics
+
+    stack = await start_stack(model, num_blocks=400, block_size=BS, num_scheduler_steps=8, stream_interval=64)
+    try:
+        before = metrics.TOKENS_SAMPLED_AHEAD._value.get()
+        batch = prompts(3, WINDOW - 5, 2 * WINDOW, seed=5)
+        results = await asyncio.gather(*(generate(stack.gw, p, max_tokens=2 * WINDOW, ignore_eos=True)
+                                         for p in batch))
+        for p, res in zip(batch, results):
+            assert res[0][0] == oracle.greedy(p, 2 * WINDOW), (name, p)
+        assert metrics.TOKENS_SAMPLED_AHEAD._value.get() - before >= 3 * WINDOW  # in bursts
+        await stack.wait_idle()
+    finally:
+        await stack.stop()
