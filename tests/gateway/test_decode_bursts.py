@@ -162,3 +162,31 @@ async def test_cancel_mid_burst_returns_blocks(stacks):
     res = await generate(bursts.gw, [5, 6, 7], max_tokens=6, ignore_eos=True)  # and it serves on
     assert len(res[0][0]) == 6
     await bursts.wait_idle()
+
+
+async def test_preempted_while_its_burst_runs(model):
+    """A more important request arrives while a burst runs and takes the
+    bursting sequences' blocks (the plan is made during the burst; the
+    executor runs it after): the burst's tokens still count, the preempted
+    sequences recompute, everyone gets generate's tokens, every block returns."""
+    from oracle import Oracle
+
+    oracle = Oracle(model, fixed_length=True)  # EOS may come up: ignore_eos streams it, as generate to the length
+    stack = await start_stack(model, num_blocks=60, block_size=4, num_scheduler_steps=8, stream_interval=64,
+                              swap_blocks=0)
+    try:
+        rng = random.Random(9)
+        batch = [[rng.randrange(3, 300) for _ in range(24)] for _ in range(4)]  # 4 x 21 blocks at the end
+        tasks = [asyncio.ensure_future(generate(stack.gw, p, max_tokens=60, ignore_eos=True)) for p in batch]
+        before = sampled_ahead()
+        while sampled_ahead() == before:  # a burst is running or has run
+            await asyncio.sleep(0.01)
+        urgent = [random.Random(10).randrange(3, 300) for _ in range(120)]
+        first = await generate(stack.gw, urgent, max_tokens=8, ignore_eos=True, priority=-5)
+        assert first[0][0] == oracle.greedy(urgent, 8)
+        for p, res in zip(batch, await asyncio.gather(*tasks)):
+            assert res[0][0] == oracle.greedy(p, 60), p
+        acct = await stack.wait_idle()
+        assert acct.used_blocks == 0 and acct.preemptions_recompute >= 1
+    finally:
+        await stack.stop()
