@@ -13,7 +13,10 @@ import random
 
 import pytest
 import pytest_asyncio
-from gateway_harness import generate, start_stack
+from gateway_harness import (check_cancel_mid_stream, check_stop_string_and_short_limits, check_stop_token_mid_completion,
+                             generate, greedy_batch_exact, params, start_stack)
+from gateway_harness import on_each as both
+from gateway_harness import random_prompts as prompts
 
 from gateway import metrics
 
@@ -31,11 +34,6 @@ async def stacks(model):
     await plain.stop()
 
 
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
-
-
 def sampled_ahead() -> float:
     return metrics.TOKENS_SAMPLED_AHEAD._value.get()
 
@@ -44,25 +42,10 @@ def discarded() -> float:
     return metrics.TOKENS_SAMPLED_AHEAD_DISCARDED._value.get()
 
 
-async def both(stacks, prompt_list, **kw):
-    """Each prompt's completions on the bursting stack and on the plain one."""
-    out = []
-    for s in stacks:
-        out.append(await asyncio.gather(*(generate(s.gw, p, **kw) for p in prompt_list)))
-        await s.wait_idle()
-    return out
-
-
 async def test_greedy_batch_bursts_and_matches_generate(stacks, oracle):
-    bursts, _ = stacks
-    batch = prompts(6, seed=1)
     before = sampled_ahead()
-    results = await asyncio.gather(*(generate(bursts.gw, p, max_tokens=13, ignore_eos=True) for p in batch))
+    await greedy_batch_exact(stacks[0], oracle, prompts(6, seed=1), 13)
     assert sampled_ahead() - before >= 6 * 3  # the decodes did run in bursts
-    for p, res in zip(batch, results):
-        assert res[0][0] == oracle.greedy(p, 13, min_new_tokens=13), p
-        assert res[0][3].completion_tokens == 13
-    await bursts.wait_idle()
 
 
 @pytest.mark.parametrize("kw", [
@@ -84,33 +67,13 @@ async def test_sampling_is_the_same_in_bursts(stacks, kw):
 
 async def test_stop_token_mid_burst_ends_there_and_frees_blocks(stacks, oracle):
     """The burst computed past the stop: those tokens are discarded, never streamed."""
-    batch = prompts(4, seed=4)
-    stops = []
-    for p in batch:
-        greedy = oracle.greedy(p, 12, min_new_tokens=12)
-        stops.append(next((t for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i]), greedy[3]))
     before = discarded()
-    for s in stacks:
-        results = await asyncio.gather(*(generate(s.gw, p, max_tokens=12, ignore_eos=True, stop_token_ids=[t])
-                                         for p, t in zip(batch, stops)))
-        for p, t, res in zip(batch, stops, results):
-            greedy = oracle.greedy(p, 12, min_new_tokens=12)
-            assert res[0][0] == greedy[:greedy.index(t) + 1]
-        await s.wait_idle()
+    await check_stop_token_mid_completion(stacks, oracle, prompts(4, seed=4), 12, first=3)
     assert discarded() > before
 
 
 async def test_stop_string_and_short_limits(stacks):
-    batch = prompts(3, seed=5)
-    for max_tokens in (1, 2, 3, 5):
-        a, b = await both(stacks, batch, max_tokens=max_tokens, ignore_eos=True)
-        assert [r[0][0] for r in a] == [r[0][0] for r in b]
-        assert all(len(r[0][0]) == max_tokens for r in a)
-    text = (await generate(stacks[1].gw, batch[0], max_tokens=12, ignore_eos=True))[0][1]
-    stop = text[len(text) // 2:len(text) // 2 + 2] or text[:1]
-    a, b = await both(stacks, batch[:1], max_tokens=12, ignore_eos=True, stop=[stop])
-    assert a[0][0][0] == b[0][0][0] and a[0][0][1] == b[0][0][1]  # tokens and text up to the stop
-    assert stop not in a[0][0][1] and len(a[0][0][1]) < len(text)
+    await check_stop_string_and_short_limits(stacks, prompts(3, seed=5))
 
 
 async def test_requests_arriving_while_bursts_run(stacks, oracle):
@@ -132,7 +95,6 @@ async def test_bursts_never_delay_a_streamed_delta(stacks, oracle):
     every 3 tokens gets bursts of at most 3, its deltas on time."""
     from kvpager.v1 import gateway_pb2
     from kvpager_tools.generate import stream_generate
-    from gateway_harness import params
 
     bursts, _ = stacks
     p = prompts(1, seed=8)[0]
@@ -151,17 +113,7 @@ async def test_bursts_never_delay_a_streamed_delta(stacks, oracle):
 
 
 async def test_cancel_mid_burst_returns_blocks(stacks):
-    bursts, _ = stacks
-    tasks = [asyncio.ensure_future(generate(bursts.gw, p, max_tokens=200, ignore_eos=True))
-             for p in prompts(4, seed=7)]
-    await asyncio.sleep(0.3)
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await bursts.wait_idle()
-    res = await generate(bursts.gw, [5, 6, 7], max_tokens=6, ignore_eos=True)  # and it serves on
-    assert len(res[0][0]) == 6
-    await bursts.wait_idle()
+    await check_cancel_mid_stream(stacks[0], prompts(4, seed=7))
 
 
 async def test_preempted_while_its_burst_runs(model):
