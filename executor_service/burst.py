@@ -19,6 +19,7 @@ back row-major: row i's ``query_lens[i]`` samples in order.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -64,11 +65,6 @@ def check_burst(step: StepInput) -> None:
     if (s.num_top_logprobs[multi] > 0).any() or (penalized is not None and penalized[multi].any()):
         raise InvalidArgument("sampling: a row of more than one token in a decode burst cannot ask for top "
                               "logprobs or penalties")
-
-
-def known_tokens(step: StepInput) -> np.ndarray:
-    """The tokens to check against the vocabulary (the placeholders are not tokens yet)."""
-    return step.token_ids[step.token_ids != PLACEHOLDER]
 
 
 def _subset_sampling(s: Sampling, rows: np.ndarray) -> Sampling:
@@ -138,3 +134,23 @@ def gather(step: StepInput, parts: list[tuple[np.ndarray, StepOutput]], forward_
 def last_samples(step: StepInput, out: StepOutput) -> np.ndarray:
     """int32 [n]: each row's last sample (what a step planned ahead feeds it)."""
     return out.sampled_token_ids[row_starts(step.query_lens)[1:] - 1]
+
+
+def run(step: StepInput, groups: list[Resolved], histories: dict,
+        run_one: Callable[[StepInput, Resolved, dict, list[Resolved]], StepOutput]) -> StepOutput:
+    """A checked, resolved and committed burst: ``run_one`` (the executor's
+    one-forward step: cache ops, forward, sampling) on each sub-step while any
+    row has tokens left, each fed what the one before sampled."""
+    q = step.query_lens
+    tokens = step.token_ids[row_starts(q)[:-1]]  # every row's first token
+    parts: list[tuple[np.ndarray, StepOutput]] = []
+    forward_s = sample_s = cache_ops_s = 0.0
+    for j in range(int(q.max()) if len(q) else 0):
+        sub, (head, *rest), rows = sub_step(step, groups, j, tokens)
+        out = run_one(sub, head, histories if j == 0 else {}, rest)
+        parts.append((rows, out))
+        forward_s += out.forward_s
+        sample_s += out.sample_s
+        cache_ops_s += out.cache_ops_s
+        tokens = out.sampled_token_ids[q[rows] > j + 1]  # the rows that feed their sample into sub-step j + 1
+    return gather(step, parts, forward_s, sample_s, cache_ops_s)

@@ -280,6 +280,8 @@ class Executor:
         """Run one step. Raises InvalidArgument / FailedPrecondition before
         touching anything, ResourceExhausted when memory runs out."""
         step = check_step(step, self._limits)
+        if step.decode_steps > 1:
+            burst.check_burst(step)
         with self._lock:
             step = self.last_samples.fill(step)
             resolved = self.tables.resolve(step.table_epoch, step.tables, step.seq_ids, step.query_lens,
@@ -296,8 +298,8 @@ class Executor:
                 tables.commit(r, step.seq_ids, step.query_lens)
             self.histories.commit(histories)
             try:
-                if step.decode_steps > 1:
-                    out = self._run_burst(step, resolved, histories.rows, extra)
+                if step.decode_steps > 1:  # one-token forwards back to back (executor_service.burst)
+                    out = burst.run(step, [resolved, *extra], histories.rows, self._run)
                 else:
                     out = self._run(step, resolved, histories.rows, extra)
                 self.last_samples.record(step, out)
@@ -394,25 +396,6 @@ class Executor:
             sample_s=t3 - t2,
             cache_ops_s=t1 - t0,
         )
-
-    def _run_burst(self, step: StepInput, resolved: Resolved, histories: dict, extra: list[Resolved]
-                   ) -> StepOutput:
-        """A decode burst (executor_service.burst): one-token forwards while
-        any row has tokens left, each fed what the one before sampled."""
-        q = step.query_lens
-        tokens = step.token_ids[burst.row_starts(q)[:-1]]  # every row's first token
-        parts: list[tuple[np.ndarray, StepOutput]] = []
-        forward_s = sample_s = cache_ops_s = 0.0
-        for j in range(int(q.max()) if len(q) else 0):
-            sub, (head, *rest), rows = burst.sub_step(step, [resolved, *extra], j, tokens)
-            out = self._run(sub, head, histories if j == 0 else {}, rest)
-            parts.append((rows, out))
-            forward_s += out.forward_s
-            sample_s += out.sample_s
-            cache_ops_s += out.cache_ops_s
-            going = q[rows] > j + 1  # the rows that feed their sample into sub-step j + 1
-            tokens = out.sampled_token_ids[going]
-        return burst.gather(step, parts, forward_s, sample_s, cache_ops_s)
 
     def _apply_cache_ops(self, step: StepInput) -> None:
         """Swap-out, then swap-in, then copies: a block swapped out may be

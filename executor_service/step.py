@@ -304,25 +304,17 @@ def check_step(step: StepInput, limits: PoolLimits) -> StepInput:
         _fail(f"query_lens must be <= max_model_len {limits.max_model_len}")
     _check_len(step.token_ids, int(q.sum()), "token_ids (sum of query_lens)")
     tokens = step.token_ids
-    burst = step.decode_steps > 1
-    if step.prev_step_id and len(tokens) and int(tokens.min()) == -1 and not burst:
+    if step.decode_steps > 1:  # a burst's placeholders: executor_service.burst.check_burst
+        tokens = tokens[tokens != -1]
+    elif step.prev_step_id and len(tokens) and int(tokens.min()) == -1:
         from executor_service.placeholders import PLACEHOLDER, check_placeholders
 
         check_placeholders(step)
         tokens = tokens[tokens != PLACEHOLDER]
-    if burst:
-        from executor_service.burst import known_tokens
-
-        tokens = known_tokens(step)
     _check_ids(tokens, limits.vocab_size, "token_ids", "token")
     _check_cache_ops(step.cache_ops, limits)
     sampling = _normalized_sampling(step.sampling, n, limits.vocab_size)
-    step = dataclasses.replace(step, sampling=sampling)
-    if burst:
-        from executor_service.burst import check_burst
-
-        check_burst(step)
-    return step
+    return dataclasses.replace(step, sampling=sampling)
 
 
 def _writable(a: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from kvpager.errors import Internal
 from kvpager.telemetry import get_logger
+from gateway import metrics
 from gateway.membership import Executors
 from gateway.outputs import Outbox, accept_token, take_output
 from gateway.requests import RequestBook
@@ -51,6 +52,24 @@ class Completions:
         self.sequences.release(seq)
         if all(c.finish is not Finish.NONE for c in req.completions):
             self.requests.end(req)
+
+    def take(self, seq: Seq, tokens: list[int], logprobs: list, top: list[tuple[int, float]] | None,
+             burst: bool) -> int:
+        """A row's samples for ``seq``: n first tokens (they fan out), one token,
+        or a decode burst's tokens in order until one ends the sequence (the rest
+        were computed past its end: discarded). Returns the tokens taken."""
+        if burst:
+            for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
+                if seq.seq_id not in self.sequences:
+                    metrics.TOKENS_SAMPLED_AHEAD_DISCARDED.inc(len(tokens) - i)
+                    return i
+                self.accept(seq, seq.completion, token, logprob, None)
+            return len(tokens)
+        if len(tokens) > 1:
+            self.fan_out(seq, tokens, logprobs, top)
+        else:
+            self.accept(seq, seq.completion, tokens[0], logprobs[0], top)
+        return len(tokens)
 
     def fan_out(self, parent: Seq, tokens: list[int], logprobs: list,
                 top: list[tuple[int, float]] | None = None) -> None:

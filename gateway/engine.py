@@ -26,7 +26,6 @@ from kvpager.telemetry import get_logger
 from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
 from gateway import failures, metrics, wire
 from gateway.beam import BeamSearch
-from gateway.bursts import MAX_STEPS
 from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
 from gateway.failures import FailureLog, for_client
@@ -60,9 +59,7 @@ class EngineConfig:
     # Plan each executor's next step while its current one runs, decodes fed
     # with the executor's own samples (hides the Step and Execute round trips).
     plan_ahead: bool = True
-    # > 1: an executor running only decodes takes up to this many tokens per
-    # sequence in one step (gateway.bursts; vLLM's --num-scheduler-steps).
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int = 1    # > 1: decode bursts of up to this many tokens (gateway.bursts)
     caps: RequestCaps = field(default_factory=RequestCaps)  # what one request may ask (docs/security.md)
     # Streams that outlive a lost memory service or executor (gateway/recovery.py).
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
@@ -83,8 +80,6 @@ class _Inflight:
 class Engine:
     def __init__(self, config: EngineConfig, memory: MemoryClient, tokenizer, *,
                  executor_tls=None, executor_token: str | None = None) -> None:
-        if not 1 <= config.num_scheduler_steps <= MAX_STEPS:
-            raise ValueError(f"num_scheduler_steps must be in [1, {MAX_STEPS}], got {config.num_scheduler_steps}")
         self.config = config
         self.memory = memory
         self.tokenizer = tokenizer
@@ -287,8 +282,7 @@ class Engine:
         metrics.ROWS_FED_AHEAD.inc(len(pending))
         request = wire.step_request(self._step_id, changes, batch, self.executors.clients,
                                     [s.seq_id for s in pending])
-        if batch.lookahead:
-            metrics.TOKENS_SAMPLED_AHEAD.inc(sum(batch.lookahead))
+        metrics.TOKENS_SAMPLED_AHEAD.inc(sum(batch.lookahead))
         try:
             plan = await self.memory.step(request, self.config.step_timeout_s)
         except (Unavailable, NotFound, FailedPrecondition) as exc:
@@ -390,30 +384,12 @@ class Engine:
                 sampled[req] = sampled.get(req, 0) + len(result.tokens)
                 continue  # aborted while the step ran
             try:
-                if result.row.burst:
-                    sampled[req] = sampled.get(req, 0) + self._accept_burst(seq, result)
-                    continue
-                sampled[req] = sampled.get(req, 0) + len(result.tokens)
-                if len(result.tokens) > 1:
-                    self.completions.fan_out(seq, result.tokens, result.logprobs, result.top)
-                else:
-                    self.completions.accept(seq, seq.completion, result.tokens[0], result.logprobs[0], result.top)
+                sampled[req] = sampled.get(req, 0) + self.completions.take(seq, result.tokens, result.logprobs,
+                                                                           result.top, bool(result.row.burst))
             except Exception:  # one request's bug must not end the others' streams
                 self.fail_on_bug(seq.request, "taking its sampled tokens")
         self.beams.finish_step()
         self.stats.tokens(sampled, time.perf_counter())
-
-    def _accept_burst(self, seq: Seq, result: wire.RowResult) -> int:
-        """A decode burst's samples in order, until one ends the sequence (the
-        rest were computed past its end: discarded). Returns the tokens taken."""
-        taken = 0
-        for token, logprob in zip(result.tokens, result.logprobs):
-            if seq.seq_id not in self.sequences:
-                metrics.TOKENS_SAMPLED_AHEAD_DISCARDED.inc(len(result.tokens) - taken)
-                break
-            self.completions.accept(seq, seq.completion, token, logprob, None)
-            taken += 1
-        return taken
 
     def fail_on_bug(self, req: Request, doing: str) -> None:
         self.completions.fail_on_bug(req, doing)

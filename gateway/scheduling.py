@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.bursts import lookaheads
+from gateway.bursts import MAX_STEPS, lookaheads
 from gateway.state import Seq
 from kvpager.seq_status import SeqStatus
 
@@ -81,6 +81,10 @@ class Scheduler:
     max_batch_tokens: int = 2048
     max_running: int = 64
     num_steps: int = 1  # > 1: decode bursts of up to this many tokens (gateway.bursts)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_steps <= MAX_STEPS:
+            raise ValueError(f"num_scheduler_steps must be in [1, {MAX_STEPS}], got {self.num_steps}")
 
     def schedule(self, seqs: Iterable[Seq], idle: Collection[str], max_model_len: int = 0) -> Batch:
         """The work of the executors in ``idle`` (the others cannot take a step
