@@ -23,12 +23,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from executor_service.placeholders import PLACEHOLDER
 from executor_service.step import CacheOps, Sampling, StepInput, StepOutput
 from executor_service.tables import Resolved
 from kvpager.errors import InvalidArgument
 
 MAX_DECODE_STEPS = 64
-PLACEHOLDER = -1
 
 
 def row_starts(query_lens: np.ndarray) -> np.ndarray:

@@ -70,8 +70,9 @@ class LastSamples:
         """The step with its placeholders replaced (checked: ``check_placeholders``)."""
         holes = np.nonzero(step.token_ids == PLACEHOLDER)[0]
         if step.decode_steps > 1 and len(holes):  # a burst fills only first tokens here; it samples the rest
-            starts = np.zeros(len(step.query_lens), np.int64)
-            np.cumsum(step.query_lens[:-1], out=starts[1:])
+            from executor_service.burst import row_starts
+
+            starts = row_starts(step.query_lens)[:-1]
             holes = starts[step.token_ids[starts] == PLACEHOLDER]
         if not len(holes):
             return step
