@@ -27,10 +27,23 @@ from kernels import cpu_build, reference
 # Queries up to this long per sequence always use the in-place kernel.
 SHORT_QUERY = 16
 # Longer chunks use it too while (query rows x attended context) stays within
-# this many pairs for the pool's dtype; past it, the chunk's gather + SDPA
-# wins. The crossovers measured on an AVX-512 + AMX Xeon (docs/kernels.md):
-# 16-bit SDPA reaches the matrix units, so it wins sooner than fp32 does.
-IN_PLACE_PAIRS = {torch.float32: 32768, torch.bfloat16: 8192, torch.float16: 8192}
+# this many pairs for the pool's dtype, by whether the CPU has AMX; past it,
+# the chunk's gather + SDPA wins. The crossovers measured (docs/kernels.md):
+# on an AVX-512 + AMX Xeon 16-bit SDPA reaches the matrix units and wins from
+# ~90 x 90, fp32 from ~180 x 180; on an AVX-512 BF16 EPYC (no AMX) the kernel
+# is ahead up to 2,048 x 2,048 in bf16 and 1,024 x 1,024 in fp32.
+IN_PLACE_PAIRS = {
+    True: {torch.float32: 32768, torch.bfloat16: 8192, torch.float16: 8192},
+    False: {torch.float32: 1 << 20, torch.bfloat16: 1 << 22, torch.float16: 1 << 22},
+}
+
+
+def in_place_pairs(dtype: torch.dtype | None, amx: bool | None = None) -> int:
+    """The in-place budget for a ``dtype`` pool (0 for None); ``amx``: the
+    CPU's (None = this machine's)."""
+    if dtype is None:
+        return 0
+    return IN_PLACE_PAIRS[cpu_build.has_amx() if amx is None else amx].get(dtype, 0)
 
 
 def available() -> bool:
@@ -50,14 +63,14 @@ class CpuAttentionPlan:
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                    block_size: int, num_blocks: int, window: int | None = None,
                    dtype: torch.dtype | None = None) -> CpuAttentionPlan:
-    """``dtype``: the KV pool's (picks ``IN_PLACE_PAIRS``); None = only queries
+    """``dtype``: the KV pool's (picks ``in_place_pairs``); None = only queries
     up to ``SHORT_QUERY`` in place."""
     qsl = query_start_loc.to(torch.int64)
     lens = seq_lens.to(torch.int64)
     q_lens = qsl[1:] - qsl[:-1]
     # The context a chunk's queries attend (a window bounds it).
     attended = lens if window is None else torch.minimum(lens, q_lens + window - 1)
-    in_place = (q_lens <= SHORT_QUERY) | (q_lens * attended <= IN_PLACE_PAIRS.get(dtype, 0))
+    in_place = (q_lens <= SHORT_QUERY) | (q_lens * attended <= in_place_pairs(dtype))
     plan = CpuAttentionPlan(in_place_seqs=torch.nonzero(in_place).flatten().contiguous(), window=window)
     for s in torch.nonzero(~in_place).flatten().tolist():
         plan.long_chunks.append(reference._plan_prefill(block_tables, s, qsl, lens, block_size, num_blocks,

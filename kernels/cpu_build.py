@@ -12,6 +12,7 @@ them off. Where they are missing the executor runs the torch references
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -45,17 +46,27 @@ _state: dict = {}
 BUILD_WAIT_S = 900.0
 
 
+@functools.cache
+def cpu_flags() -> str:
+    """The CPU's feature line from /proc/cpuinfo ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "").strip()
+    except OSError:
+        return ""
+
+
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles for bf16 (oneDNN's 16-bit matmuls and
+    SDPA run on them; ``kernels.cpu_attention`` picks its crossover by it)."""
+    return "amx_bf16" in cpu_flags().split()
+
+
 def _tag() -> str:
     """Compiled with -march=native: the build is keyed on the CPU's features
     (a cache directory shared between machines never loads foreign code), the
     torch version and the sources."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    h = hashlib.sha1(f"{platform.machine()}|{flags}|{torch.__version__}|{CFLAGS}".encode())
+    h = hashlib.sha1(f"{platform.machine()}|{cpu_flags()}|{torch.__version__}|{CFLAGS}".encode())
     for path in sorted(SOURCE_DIR.iterdir()):
         if path.suffix in (".cpp", ".h"):
             h.update(path.read_bytes())

@@ -48,9 +48,11 @@ def test_attention_dtypes_head_dims(dtype, head_dim):
     torch.testing.assert_close(got.float(), R.paged_attention(*batch.args()).float(), **TOL[dtype])
 
 
-def test_plan_splits_chunks_by_work_and_dtype():
+def test_plan_splits_chunks_by_work_and_dtype(monkeypatch):
     """Short queries always go in place; longer chunks while query rows x
-    context stays within the dtype's budget; None keeps only short queries."""
+    context stays within the dtype's budget on an AMX CPU; None keeps only
+    short queries."""
+    monkeypatch.setattr(cpu_build, "has_amx", lambda: True)
     seq_lens, q_lens = [5, 300, 90, 600], [5, 40, 90, 300]  # pairs: 25, 12,000, 8,100, 180,000
     batch = make_paged_batch(seq_lens, q_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                              dtype=torch.float32)
@@ -67,6 +69,20 @@ def test_plan_splits_chunks_by_work_and_dtype():
     # a window bounds the attended context: 300 rows x (300 + 16 - 1) keys is still over budget
     assert split(torch.float32, window=16) == ([0, 1, 2], [135])
     assert split(torch.bfloat16, window=8) == ([0, 1, 2], [135])  # 40 x 47 in budget now
+
+    # Without AMX, 16-bit SDPA has no matrix units and the kernel keeps far larger chunks.
+    monkeypatch.setattr(cpu_build, "has_amx", lambda: False)
+    assert split(torch.bfloat16) == split(torch.float32) == ([0, 1, 2, 3], [])
+    assert split(None) == ([0], [5, 45, 135])
+    assert cpu_attention.in_place_pairs(torch.float32, amx=False) < 2048 * 2048 <= \
+        cpu_attention.in_place_pairs(torch.bfloat16, amx=False)
+
+
+def test_amx_is_read_from_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16 amx_bf16 amx_tile")
+    assert cpu_build.has_amx()
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16")
+    assert not cpu_build.has_amx()
 
 
 def test_attention_ignores_garbage_past_each_length():
@@ -97,6 +113,24 @@ def test_attention_shared_plan_and_threads():
             torch.set_num_threads(threads)
             torch.testing.assert_close(cpu_attention.paged_attention(*batch.args(), plan=plan), want,
                                        **TOL[torch.float32])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_prompt_in_place_matches_reference_on_any_thread_count(dtype):
+    """A long prefill chunk in the kernel (work handed out last token first,
+    pulled by every thread) equals the reference, a cached prefix included."""
+    batch = make_paged_batch([203, 150], [203, 37], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                             dtype=dtype)
+    everything = cpu_attention.CpuAttentionPlan(in_place_seqs=torch.arange(2))
+    want = R.paged_attention(*batch.args())
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got = cpu_attention.paged_attention(*batch.args(), plan=everything)
+            torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
     finally:
         torch.set_num_threads(before)
 
