@@ -5,11 +5,11 @@ Same signatures as ``kernels.reference``. Sequences with short queries
 that walks each block table with an online softmax: no gathered copy of the
 context per layer and step. So do prefill chunks small enough that the
 kernel's vector arithmetic beats a separate SDPA call for the sequence (its
-fixed cost is a gather, a mask and a dispatch per layer). Larger chunks,
-where attention is compute rather than memory bound, keep the reference's
-path (one sequence's context gathered once, then
+fixed cost is a gather, a mask and a dispatch per layer): on a CPU without
+AMX every prompt up to a few thousand tokens. Larger chunks keep the
+reference's path (one sequence's context gathered once, then
 ``scaled_dot_product_attention``'s flash kernel), in the model's dtype rather
-than the reference's fp32 (bf16 SDPA runs on bf16 matrix units).
+than the reference's fp32 (bf16 SDPA runs on AMX tiles where there are any).
 
 The C++ is built on first use (``kernels.cpu_build``); ``available()`` says
 whether it did. Without a compiler the executor uses the torch reference.

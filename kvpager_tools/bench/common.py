@@ -41,6 +41,35 @@ def progress(name: str, msg: str) -> None:
     print(f"[bench {name}] {msg}", file=sys.stderr, flush=True)
 
 
+def _cpu_busy_s() -> float | None:
+    """Busy CPU seconds of the whole machine so far (all CPUs, /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def settle(min_s: float, max_s: float = 10.0, busy_frac: float = 0.1, window_s: float = 0.25) -> float:
+    """Sleep ``min_s``, then until the machine is quiet: the CPUs busy less
+    than ``busy_frac`` of one core over a ``window_s`` window (at most
+    ``max_s`` in all). Between two engines' timed rounds: an engine's OpenMP
+    threads spin on after its work (vLLM's CPU worker for about a second),
+    and the other engine's round must not start on cores still taken.
+    Returns the seconds waited."""
+    t0 = time.perf_counter()
+    time.sleep(min_s)
+    while time.perf_counter() - t0 < max_s:
+        a = _cpu_busy_s()
+        time.sleep(window_s)
+        b = _cpu_busy_s()
+        if a is None or b is None or (b - a) / window_s < busy_frac:
+            break
+    return round(time.perf_counter() - t0, 2)
+
+
 # ---- models -------------------------------------------------------------------
 
 

@@ -221,8 +221,9 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
             max_batch_tokens: int = 0, max_running: int = 0, settle_s: float = 1.0,
             stream_interval: int = 0, num_scheduler_steps: int = 0) -> dict:
     """Both engines loaded side by side, their timed rounds interleaved
-    (vLLM, kvpager, vLLM, ...; ``settle_s`` between rounds for the other
-    engine's spinning OpenMP threads to sleep). ``stream_interval``: the
+    (vLLM, kvpager, vLLM, ...; before each round at least ``settle_s`` and
+    until the machine is quiet, ``bc.settle``: vLLM's CPU worker spins about
+    a second after its round). ``stream_interval``: the
     kvpager requests' (0 = the gateway's default, every token)."""
     n = len(prompts)
     total_new = n * max_new_tokens
@@ -237,13 +238,14 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
             gw = stack.addresses.gateway
             kvpager_run(gw, prompts, max_new_tokens, "warmup", stream_interval)  # the whole workload once: every shape, the allocator
             for r in range(repeats):
-                time.sleep(settle_s)
-                vllm_rounds.append(vllm.round())
-                time.sleep(settle_s)
+                waited = bc.settle(settle_s)
+                vllm_rounds.append({**vllm.round(), "settled_s": waited})
+                waited = bc.settle(settle_s)
                 bc.progress(NAME, f"round {r + 1}/{repeats}: vLLM {vllm_rounds[-1]['tok_s']:.1f} tok/s")
                 load = os.getloadavg()[0]
                 dt, kv_outs = kvpager_run(gw, prompts, max_new_tokens, f"round-{r}", stream_interval)
-                kv_times.append({"wall_s": round(dt, 3), "tok_s": round(total_new / dt, 1), "loadavg_1m": load})
+                kv_times.append({"wall_s": round(dt, 3), "tok_s": round(total_new / dt, 1), "loadavg_1m": load,
+                                 "settled_s": waited})
                 bc.progress(NAME, f"round {r + 1}/{repeats}: kvpager {kv_times[-1]['tok_s']:.1f} tok/s")
         final = vllm.finish()
     k = n if parity_sample is None else min(parity_sample, n)
@@ -261,8 +263,8 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
         "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
         "rounds": {"order": "interleaved: vLLM then kvpager, per round",
                    "kvpager": kv_times,
-                   "vllm": [{"wall_s": round(v["wall_s"], 3), "tok_s": round(v["tok_s"], 1), **v["load"]}
-                            for v in vllm_rounds]},
+                   "vllm": [{"wall_s": round(v["wall_s"], 3), "tok_s": round(v["tok_s"], 1), **v["load"],
+                             "settled_s": v["settled_s"]} for v in vllm_rounds]},
         "parity": {"reference": f"transformers generate ({dtype}, greedy, eager)",
                    "kvpager": agreement(kv_outs[:k], ref), "vllm": agreement(final["outputs"][:k], ref),
                    "kvpager_vs_vllm": agreement(kv_outs, final["outputs"])},
