@@ -56,9 +56,11 @@ def cpu_flags() -> str:
         return ""
 
 
+@functools.cache
 def has_amx() -> bool:
     """Whether the CPU has AMX tiles for bf16 (oneDNN's 16-bit matmuls and
-    SDPA run on them; ``kernels.cpu_attention`` picks its crossover by it)."""
+    SDPA run on them; ``kernels.cpu_attention`` picks its crossover by it,
+    every step: read once)."""
     return "amx_bf16" in cpu_flags().split()
 
 
