@@ -63,19 +63,45 @@ class ThreadTuner:
     step), to notice a change the times alone cannot show (the load went
     away while fewer threads run, or it was there from the start). An
     exploring step of a slower count costs up to twice a step, so on a quiet
-    machine nearly every step runs on every core.
+    machine nearly every step runs on every core, and each exploration that
+    finds the preferred count still best doubles the wait for the next (up
+    to ``quiet_backoff`` times ``explore_every``; a decode class meets 64
+    steps every round of 64 tokens).
+
+    Two things keep noise from moving a class off the preferred count (on
+    the 2-core EPYC, 3 of every round's 67 steps ran on one thread, each up
+    to 1.6x slower): the first step of each token count on each thread count
+    is not timed (oneDNN builds its kernels for a new shape then: that step
+    took 28 ms where the next took 12), and another count is chosen only
+    when it is clearly faster (``margin``: its average below that fraction
+    of the preferred count's; load makes it 3-6x faster, noise a few %).
     """
 
     def __init__(self, candidates: tuple[int, ...], explore_every: int = 64, slowdown: float = 1.3,
-                 alpha: float = 0.3) -> None:
+                 alpha: float = 0.3, margin: float = 0.85, quiet_backoff: int = 8) -> None:
         self.candidates = tuple(dict.fromkeys(candidates))
         self.explore_every = explore_every
         self.slowdown = slowdown
         self.alpha = alpha
+        self.margin = margin
+        self.quiet_backoff = quiet_backoff
         self._ema: dict[tuple[int, int], float] = {}   # (size class, threads) -> seconds per step
         self._fastest: dict[tuple[int, int], float] = {}
         self._seen: dict[int, int] = {}                # steps per size class
         self._exploring: tuple[int, int] | None = None  # the (class, threads) a choice went to try
+        self._warm: set[tuple[int, int]] = set()       # (tokens, threads) run once already
+        self._retry: dict[int, int] = {}               # class -> a count whose exploring step was a warm-up
+        self._retried: set[int] = set()                # classes whose last exploration was retried
+        self._last: dict[int, int] = {}                # class -> its step count at its last exploration
+        self._period: dict[int, int] = {}              # class -> steps from one exploration to the next
+        self._explorations: dict[int, int] = {}
+
+    def _best(self, size: int) -> int:
+        """The preferred count unless a measured other is clearly faster."""
+        preferred = self.candidates[0]
+        bar = self.margin * self._ema[(size, preferred)]
+        faster = [t for t in self.candidates[1:] if self._ema.get((size, t), bar) < bar]
+        return min(faster, key=lambda t: self._ema[(size, t)]) if faster else preferred
 
     def choose(self, num_tokens: int) -> int:
         preferred = self.candidates[0]
@@ -84,24 +110,44 @@ class ThreadTuner:
         size = num_tokens.bit_length()
         n = self._seen.get(size, 0)
         self._seen[size] = n + 1
+        retry = self._retry.pop(size, None)
+        if retry is not None:  # an exploration untimed (a warm-up): once more, timed if its shape repeats
+            self._exploring = (size, retry)
+            return retry
         if (size, preferred) not in self._ema:
             return preferred
-        tried = [t for t in self.candidates if (size, t) in self._ema]
-        best = min(tried, key=lambda t: self._ema[(size, t)])
+        best = self._best(size)
         untried = [t for t in self.candidates if (size, t) not in self._ema]
         choice = best
+        period = self._period.get(size, self.explore_every) if best == preferred else self.explore_every
         if untried and self._ema[(size, preferred)] > self.slowdown * self._fastest[(size, preferred)]:
             choice = untried[0]  # the preferred count slowed down: is another faster now?
-        elif n % self.explore_every == 0:
+            self._period[size] = self.explore_every
+        elif n - self._last.get(size, 0) >= period:
             others = [t for t in self.candidates if t != best]
-            choice = others[(n // self.explore_every) % len(others)]
+            k = self._explorations.get(size, 0)
+            self._explorations[size] = k + 1
+            choice = others[k % len(others)]
+            self._last[size] = n
+            # Each exploration from the preferred count that finds it still best
+            # waits twice as long for the next (up to ``quiet_backoff`` times).
+            self._period[size] = (min(2 * period, self.quiet_backoff * self.explore_every) if best == preferred
+                                  else self.explore_every)
         self._exploring = (size, choice) if choice != best else None
         return choice
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
-        key = (num_tokens.bit_length(), threads)
-        old = self._ema.get(key)
+        size = num_tokens.bit_length()
+        key = (size, threads)
         explored, self._exploring = self._exploring == key, None
+        if (num_tokens, threads) not in self._warm:
+            self._warm.add((num_tokens, threads))
+            if explored and size not in self._retried:
+                self._retry[size] = threads
+                self._retried.add(size)
+            return
+        self._retried.discard(size)
+        old = self._ema.get(key)
         # A count tried after a while: its old average is stale, the fresh time stands.
         self._ema[key] = seconds if old is None or explored else old + self.alpha * (seconds - old)
         self._fastest[key] = min(seconds, self._fastest.get(key, seconds))

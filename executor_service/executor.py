@@ -381,6 +381,7 @@ class Executor:
 
         labels = (self.executor_id,)
         metrics.STEPS.labels(*labels).inc()
+        metrics.STEP_THREADS.labels(self.executor_id, str(threads)).inc()
         metrics.TOKENS_COMPUTED.labels(*labels).inc(num_tokens)
         metrics.TOKENS_SAMPLED.labels(*labels).inc(len(token_ids))
         metrics.FORWARD_SECONDS.labels(*labels).observe(t2 - t1)

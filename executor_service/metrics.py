@@ -27,4 +27,7 @@ SAMPLE_SECONDS = Histogram(
 , registry=REG)
 POOL_BYTES = Gauge("kvpager_executor_pool_bytes", "Bytes held by the KV pools.", ["executor_id", "pool"], registry=REG)
 POOL_BLOCKS = Gauge("kvpager_executor_pool_blocks", "Blocks in the KV pools.", ["executor_id", "pool"], registry=REG)
+STEP_THREADS = Counter(
+    "kvpager_executor_step_threads_total", "Steps run, by the intra-op thread count the CPU tuner chose for them.",
+    ["executor_id", "threads"], registry=REG)
 FAILED_STEPS = Counter("kvpager_executor_failed_steps_total", "Steps that failed after validation.", ["executor_id", "reason"], registry=REG)

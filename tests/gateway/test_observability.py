@@ -60,6 +60,7 @@ MEMORY = {
 EXECUTOR = {
     "kvpager_executor_steps": "counter", "kvpager_executor_tokens_computed": "counter",
     "kvpager_executor_forward_seconds": "histogram", "kvpager_executor_pool_blocks": "gauge",
+    "kvpager_executor_step_threads": "counter",
     "kvpager_rpc_requests": "counter",
 }
 MOVED = ("kvpager_time_to_first_token_seconds", "kvpager_inter_token_latency_seconds",
