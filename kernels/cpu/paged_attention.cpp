@@ -405,8 +405,13 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
     float* sb = scores + b * BS - start;  // sb[t]: key b * BS + t
     const T* kb = k + blk * sh.k_s0 + kvh * sh.k_s2;
     // Blocks are pages of their own: the hardware prefetcher does not follow the table.
-    if (b + prefetch_blocks() < n_blocks)
-      prefetch_rows(k + static_cast<int64_t>(table[b + prefetch_blocks()]) * sh.k_s0 + kvh * sh.k_s2, BS, sh.k_s1, d);
+    // V's rows come in during the scores pass too: the values pass then reads
+    // them from L2 (a decode's K/V of one kv head is tens of KB).
+    if (b + prefetch_blocks() < n_blocks) {
+      const int64_t ahead = static_cast<int64_t>(table[b + prefetch_blocks()]);
+      prefetch_rows(k + ahead * sh.k_s0 + kvh * sh.k_s2, BS, sh.k_s1, d);
+      prefetch_rows(v + ahead * sh.v_s0 + kvh * sh.v_s2, BS, sh.v_s1, d);
+    }
 #ifdef KVPAGER_HAVE_SCORES16
     if constexpr (DC > 0 && DC % 16 == 0) {
       for (int64_t t0 = t_lo; t0 < n; t0 += 16)
@@ -474,21 +479,43 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
   // prefill chunk's later tokens attend more keys, and parallel_for's static
   // halves gave the second thread three times the first's work on a single
   // sequence (1.5x the balanced time). Every thread pulls until none is left.
+  // A thread takes its next item before attending the current one and asks
+  // for the next one's first blocks: they arrive while this one computes
+  // (a decode item is a few blocks; waiting for its first ones was a tenth
+  // of a cold decode's attention).
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n_work);
+  const int64_t d = sh.head_dim, BS = sh.block_size;
+  auto locate = [&](int64_t taken, int64_t& s, int64_t& token, int64_t& pos, int64_t& kvh) {
+    const int64_t w = n_work - 1 - taken;
+    const int64_t item = items[w / KVH];
+    kvh = w % KVH;
+    s = item >> 32;
+    const int64_t j = item & 0xffffffff;
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    token = qsl[s] + j;
+    pos = static_cast<int64_t>(seq_lens[s]) - q_len + j;
+  };
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch;
-    for (int64_t taken = next.fetch_add(1, std::memory_order_relaxed); taken < n_work;
-         taken = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t w = n_work - 1 - taken;
-      const int64_t item = items[w / KVH];
-      const int64_t kvh = w % KVH;
-      const int64_t s = item >> 32, j = item & 0xffffffff;
-      const int64_t q_len = qsl[s + 1] - qsl[s];
-      const int64_t token = qsl[s] + j;
-      const int64_t pos = static_cast<int64_t>(seq_lens[s]) - q_len + j;
+    int64_t taken = next.fetch_add(1, std::memory_order_relaxed);
+    while (taken < n_work) {
+      int64_t s, token, pos, kvh;
+      locate(taken, s, token, pos, kvh);
+      const int64_t following = next.fetch_add(1, std::memory_order_relaxed);
+      if (following < n_work) {
+        int64_t s2, token2, pos2, kvh2;
+        locate(following, s2, token2, pos2, kvh2);
+        const int32_t* table2 = tables + s2 * sh.max_blocks;
+        const int64_t first = window_start(pos2, sh.window) / BS, last = pos2 / BS + 1;
+        for (int64_t b = first; b < std::min(last, first + prefetch_blocks()); ++b) {
+          prefetch_rows(kp + static_cast<int64_t>(table2[b]) * sh.k_s0 + kvh2 * sh.k_s2, BS, sh.k_s1, d);
+          prefetch_rows(vp + static_cast<int64_t>(table2[b]) * sh.v_s0 + kvh2 * sh.v_s2, BS, sh.v_s1, d);
+        }
+      }
       attend_one<T, DC>(sh, qp + token * sh.q_s0, kp, vp, op + token * sh.o_s0, tables + s * sh.max_blocks, pos,
                         kvh, scale, scratch);
+      taken = following;
     }
   });
 }
