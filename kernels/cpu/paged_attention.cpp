@@ -372,6 +372,19 @@ inline int64_t window_start(int64_t pos, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
 }
 
+// Asks for the first blocks a query at `pos` reads of kv head `kvh` (the
+// rest are asked for as the walk goes): issued by `run` for a thread's next
+// item while it attends the current one.
+template <typename T>
+inline void prefetch_first_blocks(const Shape& sh, const T* k, const T* v, const int32_t* table, int64_t pos,
+                                  int64_t kvh) {
+  const int64_t BS = sh.block_size, first = window_start(pos, sh.window) / BS, last = pos / BS + 1;
+  for (int64_t b = first; b < std::min(last, first + prefetch_blocks()); ++b) {
+    prefetch_rows(k + static_cast<int64_t>(table[b]) * sh.k_s0 + kvh * sh.k_s2, BS, sh.k_s1, sh.head_dim);
+    prefetch_rows(v + static_cast<int64_t>(table[b]) * sh.v_s0 + kvh * sh.v_s2, BS, sh.v_s1, sh.head_dim);
+  }
+}
+
 // One query token of one sequence against one kv head, its GQA group of
 // query heads at once. `pos`: the query's absolute position (it sees keys
 // start..pos, start = 0 without a window; blocks before start are never
@@ -393,11 +406,7 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
     const T* qr = q + (kvh * G + g) * sh.q_s1;
     for (int i = 0; i < d; ++i) qf[g * d + i] = static_cast<float>(qr[i]) * scale;
   }
-  const int64_t first_block = start / BS, n_blocks = (end + BS - 1) / BS;
-  for (int64_t b = first_block; b < std::min(n_blocks, first_block + prefetch_blocks()); ++b) {
-    prefetch_rows(k + static_cast<int64_t>(table[b]) * sh.k_s0 + kvh * sh.k_s2, BS, sh.k_s1, d);
-    prefetch_rows(v + static_cast<int64_t>(table[b]) * sh.v_s0 + kvh * sh.v_s2, BS, sh.v_s1, d);
-  }
+  const int64_t first_block = start / BS, n_blocks = (end + BS - 1) / BS;  // the first ones asked for by run()
   for (int64_t b = first_block; b < n_blocks; ++b) {
     const int64_t blk = static_cast<int64_t>(table[b]);
     const int64_t n = std::min<int64_t>(BS, end - b * BS);
@@ -485,37 +494,32 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
   // of a cold decode's attention).
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n_work);
-  const int64_t d = sh.head_dim, BS = sh.block_size;
-  auto locate = [&](int64_t taken, int64_t& s, int64_t& token, int64_t& pos, int64_t& kvh) {
+  struct Item {
+    int64_t s, token, pos, kvh;
+  };
+  auto locate = [&](int64_t taken) {
     const int64_t w = n_work - 1 - taken;
     const int64_t item = items[w / KVH];
-    kvh = w % KVH;
-    s = item >> 32;
-    const int64_t j = item & 0xffffffff;
+    const int64_t s = item >> 32, j = item & 0xffffffff;
     const int64_t q_len = qsl[s + 1] - qsl[s];
-    token = qsl[s] + j;
-    pos = static_cast<int64_t>(seq_lens[s]) - q_len + j;
+    const Item it{s, qsl[s] + j, static_cast<int64_t>(seq_lens[s]) - q_len + j, w % KVH};
+    prefetch_first_blocks(sh, kp, vp, tables + s * sh.max_blocks, it.pos, it.kvh);
+    return it;
   };
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch;
     int64_t taken = next.fetch_add(1, std::memory_order_relaxed);
-    while (taken < n_work) {
-      int64_t s, token, pos, kvh;
-      locate(taken, s, token, pos, kvh);
+    if (taken >= n_work) return;
+    Item cur = locate(taken);
+    while (true) {
       const int64_t following = next.fetch_add(1, std::memory_order_relaxed);
-      if (following < n_work) {
-        int64_t s2, token2, pos2, kvh2;
-        locate(following, s2, token2, pos2, kvh2);
-        const int32_t* table2 = tables + s2 * sh.max_blocks;
-        const int64_t first = window_start(pos2, sh.window) / BS, last = pos2 / BS + 1;
-        for (int64_t b = first; b < std::min(last, first + prefetch_blocks()); ++b) {
-          prefetch_rows(kp + static_cast<int64_t>(table2[b]) * sh.k_s0 + kvh2 * sh.k_s2, BS, sh.k_s1, d);
-          prefetch_rows(vp + static_cast<int64_t>(table2[b]) * sh.v_s0 + kvh2 * sh.v_s2, BS, sh.v_s1, d);
-        }
-      }
-      attend_one<T, DC>(sh, qp + token * sh.q_s0, kp, vp, op + token * sh.o_s0, tables + s * sh.max_blocks, pos,
-                        kvh, scale, scratch);
-      taken = following;
+      const bool more = following < n_work;
+      Item nxt{};
+      if (more) nxt = locate(following);
+      attend_one<T, DC>(sh, qp + cur.token * sh.q_s0, kp, vp, op + cur.token * sh.o_s0,
+                        tables + cur.s * sh.max_blocks, cur.pos, cur.kvh, scale, scratch);
+      if (!more) break;
+      cur = nxt;
     }
   });
 }
