@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,6 +110,13 @@ def setup_vllm(venv: Path) -> Path:
     return python
 
 
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):  # already gone
+        pass
+
+
 class VllmSession:
     """vLLM offline in a subprocess of its own venv (``vllm_runner.py
     --interactive``), loaded and warmed up once, then driven one round at a
@@ -127,9 +135,15 @@ class VllmSession:
                "--max-model-len", str(max(512, max_len)), "--max-num-seqs", str(max(32, len(prompts)))]
         bc.progress(NAME, f"vLLM: {' '.join(cmd[1:])}")
         self.timeout_s = timeout_s
+        # Its own process group: vLLM's engine core and CPU worker are the
+        # runner's children, and close() must end them with it.
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr,
-                                      text=True)
-        self.ready = self._read()
+                                      text=True, start_new_session=True)
+        try:
+            self.ready = self._read()
+        except BaseException:  # never entered as a context: close here, or the processes outlive the benchmark
+            self.close()
+            raise
 
     def _read(self) -> dict:
         """The runner's next JSON line (its stdout carries nothing else)."""
@@ -167,8 +181,17 @@ class VllmSession:
         return out
 
     def close(self) -> None:
+        """Ends the runner and everything it started. Killing the runner alone
+        left vLLM's engine core and worker running, each holding the model
+        and the KV space (~5 GB a worker at 0.5B), until the machine swapped."""
         if self._proc.poll() is None:
-            self._proc.kill()
+            _signal_group(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self._proc.pid, signal.SIGKILL)  # whatever outlived the runner
+        if self._proc.poll() is None:
             self._proc.wait()
         if os.path.exists(self._prompts_path):
             os.unlink(self._prompts_path)
