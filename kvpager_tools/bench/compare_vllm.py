@@ -117,6 +117,22 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def end_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End a process started with ``start_new_session=True`` and everything
+    it started: TERM while it runs (``grace_s`` to exit), then KILL for the
+    whole group, so children that outlived it (vLLM's engine core and CPU
+    worker, each holding the model and the KV space) go too."""
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.wait()
+
+
 class VllmSession:
     """vLLM offline in a subprocess of its own venv (``vllm_runner.py
     --interactive``), loaded and warmed up once, then driven one round at a
@@ -182,17 +198,9 @@ class VllmSession:
 
     def close(self) -> None:
         """Ends the runner and everything it started. Killing the runner alone
-        left vLLM's engine core and worker running, each holding the model
-        and the KV space (~5 GB a worker at 0.5B), until the machine swapped."""
-        if self._proc.poll() is None:
-            _signal_group(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(self._proc.pid, signal.SIGKILL)  # whatever outlived the runner
-        if self._proc.poll() is None:
-            self._proc.wait()
+        left vLLM's engine core and worker running (~5 GB a worker at 0.5B)
+        until the machine swapped."""
+        end_process_group(self._proc)
         if os.path.exists(self._prompts_path):
             os.unlink(self._prompts_path)
 

@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from kvpager_tools.bench import common as bc
+from kvpager_tools.bench.compare_vllm import end_process_group
 from kvpager_tools.bench.interval import ratio_interval
 from kvpager_tools.ports import free_port
 
@@ -57,13 +58,7 @@ def vllm_server(python: Path, model: str, dtype: str, *, max_model_len: int, max
             time.sleep(1.0)
         yield base
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 15)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+        end_process_group(proc, grace_s=30)  # its API process's engine core and worker too
 
 
 def _rounds(base_url: str, requests: list[bc.BenchRequest], repeats: int, label: str) -> list[dict]:

@@ -84,3 +84,18 @@ def test_a_runner_that_fails_to_load_leaves_nothing_behind(fake_runner):
     while set(_sleepers()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not set(_sleepers()) - before
+
+
+def test_a_group_whose_leader_exited_is_still_ended():
+    """The online comparison's server: its API process may exit first and leave its engine behind."""
+    import subprocess
+
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; "
+         "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); print(c.pid, flush=True)"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(leader.stdout.readline())
+    leader.wait(10)
+    assert _alive(child)
+    compare_vllm.end_process_group(leader, grace_s=1)
+    assert _gone_soon(child)
