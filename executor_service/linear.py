@@ -7,13 +7,17 @@ small row counts of decode steps (the default MKL sgemm leaves most of an
 AVX-512 core idle there), for bf16 oneDNN's AVX512-BF16 / AMX kernels where
 the CPU has them (``packable``), and on a CPU without bf16 instructions a
 packed fp32 copy of a bf16 weight (``upcast_bf16``). On CUDA and where oneDNN
-is missing, plain ``F.linear``.
+is missing, plain ``F.linear``. Steps of at most
+``kernels.packed_gemm.MAX_ROWS`` rows (decodes) read the same packed buffer
+with our own kernel where it has proved it can (``kernels.packed_gemm``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels import packed_gemm
 
 PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -48,7 +52,7 @@ class Linear:
     output rounded to bf16 once: the same arithmetic as a bf16 GEMM with fp32
     accumulation, at twice the weight memory) or "plain" (``F.linear``)."""
 
-    __slots__ = ("in_features", "out_features", "weight", "bias", "mode", "dtype", "_call")
+    __slots__ = ("in_features", "out_features", "weight", "bias", "mode", "dtype", "_call", "small_rows", "_bias32")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -65,6 +69,7 @@ class Linear:
             raise ValueError(f"cannot pack a {weight.dtype} weight on {weight.device} here")
         else:
             self.mode = "plain"
+        self.small_rows, self._bias32 = 0, None
         if self.mode == "plain":
             self.weight, self.bias, self._call = weight.detach().contiguous(), bias, self._plain
             return
@@ -74,17 +79,23 @@ class Linear:
         # Opaque oneDNN tensor: the plain weight is not kept (no second copy).
         self.weight, self.bias = torch.ops.mkldnn._reorder_linear_weight(w), bias
         self._call = self._onednn if self.mode == "packed" else self._upcast
+        if packed_gemm.usable(self.weight, self.out_features, self.in_features, bias):
+            # Rows up to which our kernel serves the packed weight (0 = never).
+            self.small_rows = packed_gemm.MAX_ROWS
+            self._bias32 = None if bias is None else bias.float()
 
     @property
     def packed(self) -> bool:
         return self.mode != "plain"
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        x = x.contiguous()
+        if x.dim() == 2 and x.shape[0] <= self.small_rows:
+            return packed_gemm.gemm(x, self.weight, self.out_features, self._bias32)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def _upcast(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), self.weight, self.bias, "none", [], "")
-        return y.to(self.dtype)
+        return self._onednn(x.float()).to(self.dtype)
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,86 @@
+"""The small-row matmul on oneDNN-packed weights (``kernels/cpu/packed_gemm.cpp``)
+against ``F.linear`` on the plain weight, and the checks that keep it off
+weights it cannot read."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor_service.linear import Linear, packable
+from kernels import cpu_build, packed_gemm
+
+pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="the C++ CPU kernels did not build here")
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+def _packed_or_skip(n, k, dtype, seed=0, bias=True):
+    if not packable(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    if not packed_gemm.usable(packed, n, k, b):
+        pytest.skip(f"the kernel does not serve {dtype} weights on this CPU")
+    return w, b, packed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 48])
+@pytest.mark.parametrize("shape", [(128, 64), (192, 96), (64, 1376)])
+def test_matches_f_linear(dtype, rows, shape):
+    n, k = shape
+    w, b, packed = _packed_or_skip(n, k, dtype, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows)).to(dtype)
+    got = packed_gemm.gemm(x, packed, n, b.float())
+    assert got.shape == (rows, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), packed_gemm.reference(x.float(), w.float(), b.float()), **TOL[dtype])
+
+
+def test_without_bias_and_with_no_rows():
+    w, _, packed = _packed_or_skip(128, 64, torch.float32, bias=False)
+    x = torch.randn(7, 64)
+    torch.testing.assert_close(packed_gemm.gemm(x, packed, 128), F.linear(x, w), **TOL[torch.float32])
+    assert packed_gemm.gemm(torch.empty(0, 64), packed, 128).shape == (0, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_takes_the_kernel_for_small_steps_only(dtype):
+    _packed_or_skip(128, 64, dtype)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(128, 64, generator=g).to(dtype)
+    b = torch.randn(128, generator=g).to(dtype)
+    lin = Linear(w, b)
+    assert lin.small_rows == packed_gemm.MAX_ROWS
+    onednn = lambda x: torch.ops.mkldnn._linear_pointwise(x, lin.weight, lin.bias, "none", [], "")  # noqa: E731
+    small = torch.randn(packed_gemm.MAX_ROWS, 64, generator=g).to(dtype)
+    large = torch.randn(packed_gemm.MAX_ROWS + 1, 64, generator=g).to(dtype)
+    assert torch.equal(lin(small), packed_gemm.gemm(small, lin.weight, 128, b.float()))
+    assert torch.equal(lin(large), onednn(large))
+    torch.testing.assert_close(lin(small).float(), F.linear(small.float(), w.float(), b.float()), **TOL[dtype])
+
+
+def test_weights_it_cannot_read_keep_onednn():
+    if not packable(torch.float32):
+        pytest.skip("oneDNN does not pack fp32 here")
+    # Not whole 64-column panels: refused by size before any probe.
+    odd = torch.ops.mkldnn._reorder_linear_weight(torch.randn(48, 64))
+    assert not torch.ops.kvpager_cpu.packed_gemm_readable(odd, 48, 64)
+    assert not packed_gemm.usable(odd, 48, 64)
+    assert Linear(torch.randn(48, 64)).small_rows == 0
+    # A dense tensor is no packed weight; a wrong logical shape is refused too.
+    assert not torch.ops.kvpager_cpu.packed_gemm_readable(torch.randn(128, 64), 128, 64)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(128, 64))
+    assert not torch.ops.kvpager_cpu.packed_gemm_readable(packed, 128, 32)
+    with pytest.raises(RuntimeError, match="not readable"):
+        packed_gemm.gemm(torch.randn(2, 32), packed, 128)
+
+
+def test_probe_refuses_a_layout_it_does_not_know():
+    if not packable(torch.float32):
+        pytest.skip("oneDNN does not pack fp32 here")
+    # oneDNN's plain layout: the same bytes as a blocked one, other positions.
+    plain = torch.randn(128, 64).to_mkldnn()
+    assert torch.ops.kvpager_cpu.packed_gemm_readable(plain, 128, 64)  # the size alone cannot tell
+    assert not packed_gemm.usable(plain, 128, 64)
