@@ -71,13 +71,16 @@ constexpr int64_t prefetch_blocks() { return 4; }
 
 // Asks for every cache line of n rows of d elements, `stride` elements
 // apart (a block's keys or values of one kv head): the hardware prefetcher
-// does not follow a block table from one page to the next.
+// does not follow a block table from one page to the next. Into L2, not L1:
+// the blocks asked for ahead (K and V) outgrow a 32 KiB L1 before they are
+// read (a cold decode at the 0.5B model's shapes, builds alternated on the
+// EPYC: fp32 ~650 -> ~580 us a layer, bf16 ~570 -> ~450).
 template <typename T>
 inline void prefetch_rows(const T* rows, int64_t n, int64_t stride, int64_t d) {
   const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
   for (int64_t t = 0; t < n; ++t) {
     const char* r = reinterpret_cast<const char*>(rows + t * stride);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
   }
 }
 
