@@ -58,6 +58,14 @@ bool compiled_bf16() {
 }
 
 #if defined(__AVX512F__)
+// A tile's accumulators start at its 32 columns' bias (fp32), or at zero.
+template <int MB>
+inline void start_acc(const float* bias, __m512* acc0, __m512* acc1) {
+  const __m512 i0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 i1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < MB; ++r) acc0[r] = i0, acc1[r] = i1;
+}
+
 // y[r][0:32] = x[r] . panel-half + bias, for MB rows; b: the half's first
 // element, rows 64 apart; next: the next half's first element (asked for,
 // into L2, while this one computes; null on all but the first row tile).
@@ -65,9 +73,7 @@ template <int MB>
 inline void tile_f32(const float* __restrict x, int64_t K, const float* __restrict b, const float* bias,
                      float* __restrict y, int64_t ldy, const float* next) {
   __m512 acc0[MB], acc1[MB];
-  const __m512 i0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 i1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int r = 0; r < MB; ++r) acc0[r] = i0, acc1[r] = i1;
+  start_acc<MB>(bias, acc0, acc1);
   for (int64_t k = 0; k < K; ++k) {
     const __m512 b0 = _mm512_loadu_ps(b + k * kPanel), b1 = _mm512_loadu_ps(b + k * kPanel + 16);
     if (next) {
@@ -95,9 +101,7 @@ template <int MB>
 inline void tile_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* __restrict b, const float* bias,
                       uint16_t* __restrict y, int64_t ldy, const uint16_t* next) {
   __m512 acc0[MB], acc1[MB];
-  const __m512 i0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 i1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  for (int r = 0; r < MB; ++r) acc0[r] = i0, acc1[r] = i1;
+  start_acc<MB>(bias, acc0, acc1);
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const uint16_t* bk = b + kp * 2 * kPanel;
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bk), b1 = (__m512bh)_mm512_loadu_si512(bk + 32);
