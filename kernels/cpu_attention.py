@@ -2,8 +2,9 @@
 
 Same signatures as ``kernels.reference``. Sequences with short queries
 (decodes, small chunks) go to a C++ kernel (``kernels/cpu/paged_attention.cpp``)
-that walks each block table with an online softmax: no gathered copy of the
-context per layer and step. So do prefill chunks small enough that the
+that walks each block table (scores, softmax, weighted values; in a 16-bit
+dtype rounded where transformers' eager attention rounds): no gathered copy
+of the context per layer and step. So do prefill chunks small enough that the
 kernel's vector arithmetic beats a separate SDPA call for the sequence (its
 fixed cost is a gather, a mask and a dispatch per layer): on a CPU without
 AMX every prompt up to a few thousand tokens. Larger chunks keep the

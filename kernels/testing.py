@@ -167,7 +167,20 @@ def _windowed_attention(batch: PagedBatch, window: int | None, softcap: float | 
     """contiguous_attention's window / soft-capping case: explicit scores per
     query token, only the keys it may see gathered (so dropped blocks are
     never read here either)."""
-    q_all = batch.q.float()
+    return eager_attention(batch, window, softcap, model_dtype=False)
+
+
+def eager_attention(batch: PagedBatch, window: int | None = None, softcap: float | None = None,
+                    model_dtype: bool = True) -> torch.Tensor:
+    """Transformers' eager attention, one query token at a time over the keys
+    it may see. ``model_dtype``: op for op in the batch's dtype as
+    transformers writes it (``matmul(q, k^T) * scaling``, Gemma 2's
+    ``tanh(s / cap) * cap``, ``softmax(dtype=float32).to(dtype)``, then
+    ``matmul(p, v)``: each op's result held in that dtype, its sums in fp32),
+    so a 16-bit batch rounds where transformers rounds; else all in fp32.
+    Returns [T, H, D] in the batch's dtype (``model_dtype``) or fp32."""
+    dtype = batch.q.dtype if model_dtype else torch.float32
+    q_all = batch.q.to(dtype)
     out = torch.empty_like(q_all)
     starts = batch.query_start_loc.tolist()
     block_size = batch.k_cache.shape[1]
@@ -180,14 +193,15 @@ def _windowed_attention(batch: PagedBatch, window: int | None, softcap: float | 
             lo = 0 if window is None else max(0, pos - window + 1)
             keys = torch.arange(lo, pos + 1)
             blocks = table[keys // block_size]
-            k = batch.k_cache[blocks, keys % block_size].float()  # [N, KVH, D]
-            v = batch.v_cache[blocks, keys % block_size].float()
+            k = batch.k_cache[blocks, keys % block_size].to(dtype)  # [N, KVH, D]
+            v = batch.v_cache[blocks, keys % block_size].to(dtype)
             group = q_all.shape[1] // k.shape[1]
             k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, N, D]
             v = v.repeat_interleave(group, dim=1).transpose(0, 1)
             q = q_all[starts[s] + j][:, None, :]  # [H, 1, D]
-            scores = (q @ k.transpose(1, 2)) * batch.scale  # [H, 1, N]
+            scores = torch.matmul(q, k.transpose(1, 2)) * batch.scale  # [H, 1, N]
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
-            out[starts[s] + j] = (torch.softmax(scores, dim=-1) @ v)[:, 0]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+            out[starts[s] + j] = torch.matmul(probs, v)[:, 0]
     return out

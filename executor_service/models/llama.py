@@ -9,8 +9,10 @@ about twenty tensor ops and no layout copies.
 
 The arithmetic follows transformers' Llama code op for op (RMSNorm in fp32
 then cast, RoPE cos/sin computed in fp32 from the positions and cast to the
-model dtype, residual adds in the model dtype), so fp32 greedy output matches
-``generate`` token for token and bf16 rounds at the same places.
+model dtype, residual adds in the model dtype; the CPU attention kernel holds
+scores and probabilities in the model dtype as transformers' eager attention
+does), so fp32 greedy output matches ``generate`` token for token and bf16
+rounds at the same places.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@
 // kv head, query token) walks its block table twice (scores, then values),
 // so a decode reads each cached K/V row once and copies nothing.
 // The H / KVH query heads that share a kv head are computed together: one
-// K/V row load serves the whole GQA group.
+// K/V row load serves the whole GQA group. In a 16-bit dtype scores and
+// probabilities are rounded where transformers' eager attention rounds them
+// (finish_scores, scale_round).
 //
 // Registered as torch.ops.kvpager_cpu.paged_attention (see kernels/cpu_attention.py,
 // which decides which sequences come here; kernels/reference.py is the reference).
@@ -388,6 +390,69 @@ inline void prefetch_first_blocks(const Shape& sh, const T* k, const T* v, const
   }
 }
 
+// x held in the model dtype T, as fp32 (fp32: x itself). c10's conversions
+// round to nearest even, as torch's do.
+template <typename T>
+inline float as_t(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+template <>
+inline float as_t<float>(float x) {
+  return x;
+}
+
+#if defined(__AVX512F__)
+// Sixteen fp32 rounded to bf16, as fp32. With AVX512-BF16 one conversion
+// instruction (it flushes subnormal results to zero, where c10 keeps them:
+// a score or probability under 1e-38 weighs nothing in a sum of values);
+// else vec.h's integer form.
+inline __m512 round_bf16x16(__m512 x) {
+#if defined(__AVX512BF16__)
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+  return kvpager::bf16x16_round(x);
+#endif
+}
+#endif
+
+// s[0..n) = s * mul, rounded to T (softmax's normalisation, then
+// ``.to(T)``: the probabilities the values are weighted by).
+template <typename T>
+inline void scale_round(float* s, int64_t n, float mul) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m512 m = _mm512_set1_ps(mul);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(s + i), m)));
+  }
+#endif
+#pragma omp simd
+  for (int64_t j = i; j < n; ++j) s[j] = as_t<T>(s[j] * mul);
+}
+
+// Raw products q.k -> the scores transformers' eager attention softmaxes:
+// in a 16-bit model dtype its matmul rounds q.k (summed in fp32) to T, the
+// scaling rounds again, and Gemma 2's soft-capping rounds after each of its
+// three ops. Rounding where it rounds keeps bf16 greedy output close to
+// transformers' (random weights' logits are nearly flat, so every rounding
+// flips ties); for fp32 it is the same order of operations, q.k then the scale.
+template <typename T>
+inline void finish_scores(float* s, int64_t n, float scale, float softcap) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(s + i, round_bf16x16(_mm512_mul_ps(round_bf16x16(_mm512_loadu_ps(s + i)), sc)));
+  }
+#endif
+#pragma omp simd
+  for (int64_t j = i; j < n; ++j) s[j] = as_t<T>(as_t<T>(s[j]) * scale);
+  if (softcap > 0.f)
+    for (int64_t j = 0; j < n; ++j) s[j] = as_t<T>(as_t<T>(std::tanh(as_t<T>(s[j] / softcap))) * softcap);
+}
+
 // One query token of one sequence against one kv head, its GQA group of
 // query heads at once. `pos`: the query's absolute position (it sees keys
 // start..pos, start = 0 without a window; blocks before start are never
@@ -407,7 +472,7 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
   float* scores = sc.scores.data();  // [G, L]
   for (int64_t g = 0; g < G; ++g) {
     const T* qr = q + (kvh * G + g) * sh.q_s1;
-    for (int i = 0; i < d; ++i) qf[g * d + i] = static_cast<float>(qr[i]) * scale;
+    for (int i = 0; i < d; ++i) qf[g * d + i] = static_cast<float>(qr[i]);  // scaled after the product
   }
   const int64_t first_block = start / BS, n_blocks = (end + BS - 1) / BS;  // the first ones asked for by run()
   for (int64_t b = first_block; b < n_blocks; ++b) {
@@ -436,10 +501,7 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
       for (int64_t g = 0; g < G; ++g) sb[g * L + t] = dot<DC>(qf + g * d, kr, d);
     }
   }
-  if (sh.softcap > 0.f) {
-    const float cap = sh.softcap, inv_cap = 1.f / sh.softcap;
-    for (int64_t i = 0; i < G * L; ++i) scores[i] = cap * std::tanh(scores[i] * inv_cap);
-  }
+  finish_scores<T>(scores, G * L, scale, sh.softcap);
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * L;
     const float mx = row_max(s, L);
@@ -449,9 +511,7 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
       s[t] = kvpager::vexp(s[t] - mx);
       sum += s[t];
     }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+    scale_round<T>(s, L, 1.f / sum);  // softmax(..., dtype=float32).to(T)
   }
 #ifdef KVPAGER_HAVE_SCORES16
   if constexpr (DC > 0 && DC % 16 == 0) {

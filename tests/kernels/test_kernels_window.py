@@ -10,7 +10,7 @@ import torch
 
 from kernels import cpu_attention, cpu_build
 from kernels import reference as R
-from kernels.testing import contiguous_attention, drop_out_of_window, make_paged_batch
+from kernels.testing import contiguous_attention, drop_out_of_window, eager_attention, make_paged_batch
 
 MIXES = {
     # name: (seq_lens, q_lens)
@@ -87,9 +87,13 @@ def test_cpu_softcap_matches_reference(window, dtype):
     batch = _batch("mixed", window or 1, dtype=dtype, drop=window is not None)
     batch.q.mul_(4)
     got = cpu_attention.paged_attention(*batch.args(), window=window, softcap=20.0)
-    want = R.paged_attention(*batch.args(), window=window, softcap=20.0)
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        want = R.paged_attention(*batch.args(), window=window, softcap=20.0)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    else:  # each of Gemma 2's capping ops rounded to bf16, as transformers' eager attention does
+        eager = eager_attention(batch, window, 20.0)
+        assert (got == eager).float().mean().item() >= 0.99
+        torch.testing.assert_close(got.float(), eager.float(), atol=2 ** -6, rtol=2 ** -6)
 
 
 def _triton():
