@@ -288,10 +288,12 @@ def _attend(
     q: [B, H, M, D]; k, v: [B, KVH, N, D]; mask: bool broadcastable to
     [B, H, M, N] (True = attend), or None with ``is_causal`` (M == N)
     -> [B, H, M, D] fp32. ``native`` (no soft-capping): SDPA in the inputs'
-    dtype -> [B, H, M, D] in it. For bf16 that is the arithmetic of
+    dtype -> [B, H, M, D] in it. For bf16 that is close to the arithmetic of
     transformers' eager bf16 attention (bf16 products with fp32 sums, fp32
-    softmax, bf16 probabilities times V) at 2.5-3x the speed of the fp32
-    upcast on a CPU with AMX (docs/benchmarks.md).
+    softmax, bf16 probabilities times V; its flash kernel keeps the scores
+    in fp32 where eager rounds them: the in-place CPU kernel rounds as eager
+    does) at 2.5-3x the speed of the fp32 upcast on a CPU with AMX
+    (docs/benchmarks.md).
     """
     if softcap or not native:
         q, k, v = q.float(), k.float(), v.float()
