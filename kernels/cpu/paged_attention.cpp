@@ -414,6 +414,16 @@ inline __m512 round_bf16x16(__m512 x) {
   return kvpager::bf16x16_round(x);
 #endif
 }
+#elif defined(__AVX2__)
+// Eight fp32 rounded to bf16 (to nearest even, NaN -> 0x7fc0 as c10), as fp32.
+inline __m256 round_bf16x8(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
+                                     _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                          _mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+}
 #endif
 
 // s[0..n) = s * mul, rounded to T (softmax's normalisation, then
@@ -425,6 +435,11 @@ inline void scale_round(float* s, int64_t n, float mul) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m512 m = _mm512_set1_ps(mul);
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(s + i), m)));
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256 m = _mm256_set1_ps(mul);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, round_bf16x8(_mm256_mul_ps(_mm256_loadu_ps(s + i), m)));
   }
 #endif
 #pragma omp simd
@@ -445,6 +460,12 @@ inline void finish_scores(float* s, int64_t n, float scale, float softcap) {
     const __m512 sc = _mm512_set1_ps(scale);
     for (; i + 16 <= n; i += 16)
       _mm512_storeu_ps(s + i, round_bf16x16(_mm512_mul_ps(round_bf16x16(_mm512_loadu_ps(s + i)), sc)));
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(s + i, round_bf16x8(_mm256_mul_ps(round_bf16x8(_mm256_loadu_ps(s + i)), sc)));
   }
 #endif
 #pragma omp simd
