@@ -28,7 +28,7 @@ def _packed_or_skip(n, k, dtype, seed=0, bias=True):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 48])
-@pytest.mark.parametrize("shape", [(128, 64), (192, 96), (64, 1376)])
+@pytest.mark.parametrize("shape", [(128, 64), (192, 96), (64, 1376), (64, 4864)])
 def test_matches_f_linear(dtype, rows, shape):
     n, k = shape
     w, b, packed = _packed_or_skip(n, k, dtype, seed=rows)
@@ -36,6 +36,23 @@ def test_matches_f_linear(dtype, rows, shape):
     got = packed_gemm.gemm(x, packed, n, b.float())
     assert got.shape == (rows, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), packed_gemm.reference(x.float(), w.float(), b.float()), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_blocks_sum_as_one_pass(dtype):
+    """A long K is taken in blocks (fp32 past 1,024, bf16 past 2,048) with the
+    sums kept in fp32 between them: the same additions in the same order as a
+    short K, so the blocked product equals the fp32 reference's to rounding
+    and keeps a bias added once."""
+    n, k = 64, 4864
+    w, b, packed = _packed_or_skip(n, k, dtype, seed=3)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+    want = packed_gemm.reference(x.float(), w.float(), b.float())
+    got = packed_gemm.gemm(x, packed, n, b.float()).float()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    # Without the bias the difference is exactly the bias: added on the first block only.
+    torch.testing.assert_close(got - packed_gemm.gemm(x, packed, n).float(), b.float().expand_as(got),
+                               atol=TOL[dtype]["atol"] * 4, rtol=0)
 
 
 def test_without_bias_and_with_no_rows():
