@@ -46,9 +46,11 @@ namespace {
 constexpr int64_t kPanel = 64;  // columns of a packed panel
 constexpr int64_t kHalf = 32;   // columns of one register tile (two zmm)
 constexpr int kRows = 12;       // rows of one register tile
-// Bytes of one half panel's k-block (32 columns x k elements): with the input
-// rows' block and the next half asked for beside it, well inside a 1 MiB L2.
-constexpr int64_t kBlockBytes = 128 * 1024;
+// Most bytes of one half panel's k-block (32 columns x k elements): with the
+// input rows' block (32 rows: as many bytes again) and the next half asked
+// for beside it, inside a 1 MiB L2. A K that fits is one block (the 30M
+// model's 1,376: two blocks there were ~4 % slower, only partial sums added).
+constexpr int64_t kBlockBytes = 256 * 1024;
 
 bool compiled_fp32() {
 #if defined(__AVX512F__)
