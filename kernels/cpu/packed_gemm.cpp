@@ -48,8 +48,8 @@ constexpr int64_t kHalf = 32;   // columns of one register tile (two zmm)
 constexpr int kRows = 12;       // rows of one register tile
 // Most bytes of one half panel's k-block (32 columns x k elements): with the
 // input rows' block (32 rows: as many bytes again) and the next half asked
-// for beside it, inside a 1 MiB L2. A K that fits is one block (the 30M
-// model's 1,376: two blocks there were ~4 % slower, only partial sums added).
+// for beside it, inside a 1 MiB L2. A K that fits is one block: splitting it
+// would only add the partial sums' store and reload (the 30M model's 1,376).
 constexpr int64_t kBlockBytes = 256 * 1024;
 
 bool compiled_fp32() {
@@ -210,7 +210,8 @@ void for_each_half(int64_t M, int64_t K, int64_t N, const T* x, const T* w, cons
         const T* next = h + 1 < h1 ? half_ptr(h + 1, k0) : (last ? nullptr : half_ptr(h0, k0 + KB));
         const float* bh = bias ? bias + h * kHalf : nullptr;
         auto one = [&](auto mb, int64_t m) {
-          const Partial pt{first ? nullptr : part + m * N + h * kHalf, last ? nullptr : part + m * N + h * kHalf, N};
+          float* sums = part ? part + m * N + h * kHalf : nullptr;
+          const Partial pt{first ? nullptr : sums, last ? nullptr : sums, N};
           tile(mb, x + m * K + k0, kl, b, bh, pt, y + m * N + h * kHalf, m == 0 ? next : nullptr);
         };
         int64_t m = 0;

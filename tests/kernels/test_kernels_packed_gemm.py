@@ -40,7 +40,7 @@ def test_matches_f_linear(dtype, rows, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_k_blocks_sum_as_one_pass(dtype):
-    """A long K is taken in blocks (fp32 past 1,024, bf16 past 2,048) with the
+    """A long K is taken in blocks (fp32 past 2,048, bf16 past 4,096) with the
     sums kept in fp32 between them: the same additions in the same order as a
     short K, so the blocked product equals the fp32 reference's to rounding
     and keeps a bias added once."""
