@@ -32,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-layer: one block table for all layers; hybrid: a table per KV group (sliding groups "
                         "free the blocks their window passed); auto (default): hybrid for a model with "
                         "sliding-window layers, else per-layer")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly (no decode CUDA graphs; faster start, slower small batches)")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=256,
+                   help="CUDA: decode batches up to this many sequences replay a captured graph (sizes 1, 2, 4, "
+                        "8, 16, ... to this); larger ones run eagerly")
     p.add_argument("--grace-s", type=float, default=5.0)
     from kvpager.security import add_security_arguments
     from kvpager.telemetry import add_observability_arguments
@@ -82,6 +87,8 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         model_impl=args.model_impl,
         kv_layout=args.kv_layout,
         max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
         grace_s=args.grace_s,
         tls=security.server_tls(),
         client_tls=security.client_tls(),

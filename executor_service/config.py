@@ -13,6 +13,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 MODEL_IMPLS = ("auto", "kvpager", "transformers")
 KV_LAYOUTS = ("per-layer", "hybrid", "auto")  # executor_service.kv_layout
+MAX_CUDA_GRAPH_BATCH = 1024
 
 
 @dataclass(slots=True)
@@ -45,6 +46,8 @@ class ExecutorConfig:
     max_model_len: int | None = None        # default: the model's max_position_embeddings
     kv_layout: str = "per-layer"            # per-layer | hybrid (a table per KV group) | auto (the CLI's default:
                                             # hybrid for sliding-window models); executor_service.kv_layout
+    enforce_eager: bool = False             # CUDA: no decode graphs (executor_service.cuda_graphs)
+    cuda_graph_max_batch: int = 256         # CUDA: the largest decode batch captured as a graph
     grace_s: float = 5.0                    # graceful-stop window
     register_backoff_max_s: float = 5.0     # registration retry ceiling
     tls: TlsConfig | None = None            # serve TLS (mTLS with require_client_auth); None = insecure
@@ -69,5 +72,7 @@ class ExecutorConfig:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        if not 1 <= self.cuda_graph_max_batch <= MAX_CUDA_GRAPH_BATCH:
+            raise ValueError(f"cuda_graph_max_batch must be in [1, {MAX_CUDA_GRAPH_BATCH}]")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from executor_service import burst, metrics
+from executor_service.cuda_graphs import capture_decode_graphs
 from executor_service.attention import load_backend
 from executor_service.config import ExecutorConfig
 from executor_service.costs import CostMeter
@@ -178,7 +179,13 @@ class Executor:
             incarnation=self.incarnation,
         )
         self._lock = threading.Lock()
+        # Last: the graphs capture forwards over the finished pool (cuda_graphs.py).
+        self.graphs = capture_decode_graphs(
+            self.runner, self._kv_caches, self.backend, self._layer_groups, num_groups=1 + len(self.group_tables),
+            max_model_len=self.max_model_len, block_size=config.block_size, max_batch=config.cuda_graph_max_batch,
+            enforce_eager=config.enforce_eager)
         labels = (self.executor_id,)
+        metrics.CUDA_GRAPHS.labels(*labels).set(len(self.graphs.sizes) if self.graphs else 0)
         metrics.POOL_BYTES.labels(*labels, "device").set(self.pool.kv_pool_bytes)
         metrics.POOL_BYTES.labels(*labels, "swap").set(self.pool.swap_pool_bytes)
         metrics.POOL_BLOCKS.labels(*labels, "device").set(num_blocks)
@@ -357,8 +364,11 @@ class Executor:
         sampling = step.sampling
         if num_tokens:
             batch = build_forward_batch(step, resolved, self.device, [resolved, *extra] if extra else None)
-            logits = self.runner.forward(batch, self._kv_caches, self.backend, self._layer_groups)  # [R, V]
+            graphed = self.graphs is not None and self.graphs.fits(batch)
+            logits = (self.graphs.replay(batch) if graphed else
+                      self.runner.forward(batch, self._kv_caches, self.backend, self._layer_groups))  # [R, V]
             self._sync()
+            metrics.FORWARDS.labels(self.executor_id, "graph" if graphed else "eager").inc()
         t2 = time.perf_counter()
         top_counts = np.zeros(n, np.int64)
         if num_tokens and len(batch.logits_indices):

@@ -31,3 +31,9 @@ STEP_THREADS = Counter(
     "kvpager_executor_step_threads_total", "Steps run, by the intra-op thread count the CPU tuner chose for them.",
     ["executor_id", "threads"], registry=REG)
 FAILED_STEPS = Counter("kvpager_executor_failed_steps_total", "Steps that failed after validation.", ["executor_id", "reason"], registry=REG)
+FORWARDS = Counter(
+    "kvpager_executor_forwards_total", "Model forwards, by how they ran: a replayed decode CUDA graph or eagerly.",
+    ["executor_id", "mode"], registry=REG)
+CUDA_GRAPHS = Gauge(
+    "kvpager_executor_cuda_graphs", "Decode batch sizes captured as CUDA graphs (0: every step runs eagerly).",
+    ["executor_id"], registry=REG)
