@@ -60,8 +60,8 @@ MEMORY = {
 EXECUTOR = {
     "kvpager_executor_steps": "counter", "kvpager_executor_tokens_computed": "counter",
     "kvpager_executor_forward_seconds": "histogram", "kvpager_executor_pool_blocks": "gauge",
-    "kvpager_executor_step_threads": "counter",
-    "kvpager_rpc_requests": "counter",
+    "kvpager_executor_step_threads": "counter", "kvpager_executor_forwards": "counter",
+    "kvpager_executor_cuda_graphs": "gauge", "kvpager_rpc_requests": "counter",
 }
 MOVED = ("kvpager_time_to_first_token_seconds", "kvpager_inter_token_latency_seconds",
          "kvpager_request_time_per_output_token_seconds", "kvpager_e2e_request_latency_seconds",
@@ -144,7 +144,11 @@ async def test_every_service_exposes_its_families_with_the_right_types_after_loa
         assert not [n for n in fams if n.startswith(others)], f"{service} exposes another service's families"
         assert not [n for n in fams if n.startswith("kvpager_kv_kv")]
         assert await _promtool_check(r.text) == ""
-    gw, mem = scraped["gateway"], scraped["memory"]
+    gw, mem, ex = scraped["gateway"], scraped["memory"], scraped["executor"]
+    # On CPU nothing is captured: every forward ran eagerly.
+    assert value(ex, "kvpager_executor_cuda_graphs") == 0
+    assert value(ex, "kvpager_executor_forwards", "_total", mode="eager") > 0
+    assert value(ex, "kvpager_executor_forwards", "_total", mode="graph") == 0
     for name in MOVED:
         assert value(gw, name, "_count") > 0, f"{name} never observed"
     assert value(gw, "kvpager_request_success", "_total", finished_reason="length") >= 11
