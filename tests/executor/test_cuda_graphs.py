@@ -266,3 +266,69 @@ def test_executor_decodes_replay_graphs_with_eager_tokens(serve):
         generated.append([s.generated for s in seqs])
     assert generated[0] == generated[1]
     assert replays._value.get() - before == 5  # every decode step replayed a graph
+
+
+# ---------------------------------------------------------------- capture safety
+
+# Tensor methods / torch functions that read a value back to the host (or
+# size an output by the data): a CUDA graph capture fails on them.
+HOST_READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+              "unique", "masked_select", "repeat_interleave", "argwhere", "bincount"}
+
+
+class NoHostReads(torch.overrides.TorchFunctionMode):
+    """Fails any torch call in HOST_READS, except inside the kernel launchers
+    (``paused``): the Triton interpreter copies their arguments to the host
+    by design, and the compiled launchers read shapes only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = False
+        self.seen: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        self.seen.add(name)
+        if not self.paused and (name in HOST_READS or (name == "to" and "cpu" in map(str, args[1:]))):
+            raise AssertionError(f"{name}: reads a device value on the host inside a captured forward")
+        return func(*args, **(kwargs or {}))
+
+
+class CheckedCapture(RerunGraph):
+    """Captures (and replays) under ``NoHostReads``."""
+
+    def __init__(self, mode: NoHostReads) -> None:
+        self.mode = mode
+
+    def capture(self, fn):
+        with self.mode:
+            return super().capture(fn)
+
+
+def _paused(mode: NoHostReads, fn):
+    def call(*args, **kwargs):
+        mode.paused = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            mode.paused = False
+
+    return call
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not importable here")
+@pytest.mark.parametrize(("ckpt", "groups"), [("llama_gqa", 1), ("qwen2", 2), ("mistral_swa", 1)])
+def test_the_captured_forward_reads_nothing_back_to_the_host(checkpoints, ckpt, groups):
+    import dataclasses
+
+    s = Setup(checkpoints(ckpt), "rerun", "triton", groups)
+    mode = NoHostReads()
+    backend = s.backend
+    s.backend = dataclasses.replace(backend, store_kv=_paused(mode, backend.store_kv),
+                                    paged_attention=_paused(mode, backend.paged_attention))
+    DecodeGraphs(s.runner, s.kv_caches, s.backend, s.layer_groups, num_groups=groups,
+                 max_blocks_per_seq=MAX_LEN // BS, max_batch=2, new_graph=lambda: CheckedCapture(mode))
+    # The check saw the model's own ops (so it was on), and would have caught a host read.
+    assert {"embedding", "index_select", "float"} <= mode.seen
+    with pytest.raises(AssertionError, match="item"), mode:
+        torch.ones(1).item()
