@@ -217,9 +217,16 @@ def capture_decode_graphs(runner: ModelRunner, kv_caches: list[tuple[torch.Tenso
         if done % 8 == 0 or done == total:
             log.info("capturing decode CUDA graphs", done=done, total=total)
 
-    graphs = DecodeGraphs(runner, kv_caches, backend, layer_groups, num_groups=num_groups,
-                          max_blocks_per_seq=-(-max_model_len // block_size), max_batch=max_batch,
-                          new_graph=cuda_graph_factory(), on_progress=progress)
+    try:
+        graphs = DecodeGraphs(runner, kv_caches, backend, layer_groups, num_groups=num_groups,
+                              max_blocks_per_seq=-(-max_model_len // block_size), max_batch=max_batch,
+                              new_graph=cuda_graph_factory(), on_progress=progress)
+    except torch.OutOfMemoryError as exc:
+        # The pool took its share first; serving without graphs beats not serving.
+        torch.cuda.empty_cache()
+        log.warning("no memory left for decode CUDA graphs; steps run eagerly (lower --gpu-memory-fraction "
+                    "or --cuda-graph-max-batch to keep them)", error=str(exc)[:200])
+        return None
     log.info("decode CUDA graphs captured", sizes=f"{sizes[0]}..{sizes[-1]} ({len(sizes)})",
              capture_s=round(graphs.capture_s, 2))
     return graphs

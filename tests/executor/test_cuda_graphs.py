@@ -332,3 +332,25 @@ def test_the_captured_forward_reads_nothing_back_to_the_host(checkpoints, ckpt, 
     assert {"embedding", "index_select", "float"} <= mode.seen
     with pytest.raises(AssertionError, match="item"), mode:
         torch.ones(1).item()
+
+
+def test_no_memory_for_graphs_means_eager_steps_not_a_failed_start(checkpoints, monkeypatch):
+    from executor_service import cuda_graphs
+
+    class OutOfMemory(RerunGraph):
+        def capture(self, fn):
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    s = Setup(checkpoints("llama_gqa"), "rerun", "torch", 1)
+    # As on CUDA: graphs apply, and the capture runs out of memory.
+    monkeypatch.setattr(cuda_graphs, "graphs_apply", lambda *args: None)
+    monkeypatch.setattr(cuda_graphs, "cuda_graph_factory", lambda: OutOfMemory)
+    graphs = cuda_graphs.capture_decode_graphs(s.runner, s.kv_caches, s.backend, None, num_groups=1,
+                                               max_model_len=MAX_LEN, block_size=BS, max_batch=4,
+                                               enforce_eager=False)
+    assert graphs is None
+    monkeypatch.setattr(cuda_graphs, "cuda_graph_factory", lambda: RerunGraph)
+    graphs = cuda_graphs.capture_decode_graphs(s.runner, s.kv_caches, s.backend, None, num_groups=1,
+                                               max_model_len=MAX_LEN, block_size=BS, max_batch=4,
+                                               enforce_eager=False)
+    assert graphs is not None and graphs.sizes == [1, 2, 4] and graphs.max_blocks_per_seq == MAX_LEN // BS
