@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from executor_service import burst, metrics
+from executor_service import burst, metrics, sizing
 from executor_service.cuda_graphs import capture_decode_graphs
 from executor_service.attention import load_backend
 from executor_service.config import ExecutorConfig
@@ -26,7 +26,7 @@ from executor_service.history import TokenHistories
 from executor_service.placeholders import LastSamples
 from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidates
 from executor_service.kv_layout import make_layout, pool_tokens
-from executor_service.kv_pool import GIB, KvPool, block_bytes, device_pool_budget, num_blocks_for_bytes
+from executor_service.kv_pool import GIB, KvPool, block_bytes, num_blocks_for_bytes
 from executor_service.model_runner import ModelRunner, resolve_device
 from executor_service.sampler import sample
 from executor_service.step import (
@@ -123,13 +123,13 @@ class Executor:
 
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError("the triton backend on CPU needs TRITON_INTERPRET=1 (tests only)")
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = sizing.asked_model_len(self.runner.max_model_len, config.max_model_len)
         # Which pool slot and table group each layer uses (kv_layout.py): a block holds num_slots layers.
         self.layout = make_layout(config.kv_layout, self.runner.layer_windows)
         per_block = block_bytes(
             self.layout.num_slots, config.block_size, self.runner.num_kv_heads, self.runner.head_dim, self.runner.dtype
         )
-        num_blocks = self._num_blocks(per_block)
+        num_blocks = sizing.pool_num_blocks(config, self.device, per_block)
         num_swap = config.swap_blocks
         if num_swap is None:
             num_swap = min(num_blocks // 2, num_blocks_for_bytes(SWAP_DEFAULT_MAX_BYTES, per_block))
@@ -152,7 +152,8 @@ class Executor:
         # Its own prefill throughput and copy bandwidth, reported to the memory service (costs.py).
         self.costs = CostMeter(self.pool.block_bytes)
         self._probe_swap()
-        self.max_model_len = self._fit_model_len(pool_tokens(self.layout, num_blocks, config.block_size))
+        self.max_model_len = sizing.fit_model_len(self.max_model_len, config.max_model_len,
+                                                  pool_tokens(self.layout, num_blocks, config.block_size))
         self.executor_id = config.executor_id
         self.model_id = config.model_id or Path(config.model).resolve().name
         self.incarnation = new_incarnation()
@@ -198,43 +199,6 @@ class Executor:
             moved = self.pool.swap_round_trip()
             self._sync()
             self.costs.record_swap(moved, time.perf_counter() - t0)
-
-    def _max_model_len(self) -> int:
-        limit = self.runner.max_model_len
-        asked = self.config.max_model_len
-        if asked is None:
-            return limit
-        if asked < 1 or asked > limit:
-            raise ValueError(f"max_model_len {asked} must be in [1, {limit}] for this model")
-        return asked
-
-    def _fit_model_len(self, pool_tokens: int) -> int:
-        """The context limit, no longer than the pool can hold: a sequence
-        that could never fit is then refused when it arrives (the gateway
-        validates against this limit) instead of after it has queued. An
-        explicit --max-model-len over the pool is a configuration error (as
-        in vLLM); the model's own limit is lowered, with a warning."""
-        if self.max_model_len <= pool_tokens:
-            return self.max_model_len
-        if self.config.max_model_len is not None:
-            raise ValueError(f"max_model_len {self.max_model_len} does not fit the KV pool ({pool_tokens} tokens); "
-                             f"give more blocks (--num-blocks / --kv-cache-gib) or a smaller --max-model-len")
-        log.warning("context limit lowered to what the KV pool holds", model_max_len=self.max_model_len,
-                    pool_tokens=pool_tokens)
-        return pool_tokens
-
-    def _num_blocks(self, per_block: int) -> int:
-        cfg = self.config
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        if self.device.type == "cuda":
-            budget = device_pool_budget(self.device, cfg.gpu_memory_fraction)
-        else:
-            budget = int(cfg.kv_cache_gib * GIB)
-        num_blocks = num_blocks_for_bytes(budget, per_block)
-        if num_blocks < 1:
-            raise ResourceExhausted(f"no memory left for the KV pool (budget {budget} bytes, block {per_block} bytes)")
-        return num_blocks
 
     @property
     def limits(self) -> PoolLimits:
