@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from executor_service import burst, metrics, sizing
-from executor_service.cuda_graphs import capture_decode_graphs
 from executor_service.attention import load_backend
 from executor_service.config import ExecutorConfig
 from executor_service.costs import CostMeter
+from executor_service.cuda_graphs import capture_decode_graphs
 from executor_service.history import TokenHistories
 from executor_service.placeholders import LastSamples
 from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidates
