@@ -59,22 +59,33 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def graphs_apply(device: torch.device, backend_name: str, model_impl: str, enforce_eager: bool) -> str | None:
+def graphs_apply(device: torch.device, backend_name: str, model_impl: str, enforce_eager: bool,
+                 interpreted: bool = False) -> str | None:
     """Why decode steps run eagerly here, or None when they are captured.
 
     Graphs need CUDA, the Triton backend (its launchers take shapes only,
     never a value off the device, so a capture records every launch), and
     our own forward (transformers' model code builds masks and caches per
-    call)."""
+    call). ``interpreted``: Triton runs its interpreter (TRITON_INTERPRET=1),
+    which copies every argument through the host."""
     if enforce_eager:
         return "enforce_eager"
     if device.type != "cuda":
         return f"device {device.type}"
     if backend_name != "triton":
         return f"attention backend {backend_name}"
+    if interpreted:
+        return "triton interpreter (TRITON_INTERPRET=1)"
     if model_impl != "kvpager":
         return f"model_impl {model_impl}"
     return None
+
+
+def _triton_interpreted() -> bool:
+    from kernels._jit import is_interpreted
+    from kernels.triton_store_kv import _store_kv_kernel
+
+    return is_interpreted(_store_kv_kernel)
 
 
 class CudaGraph:
@@ -207,7 +218,8 @@ def capture_decode_graphs(runner: ModelRunner, kv_caches: list[tuple[torch.Tenso
                           max_model_len: int, block_size: int, max_batch: int,
                           enforce_eager: bool) -> DecodeGraphs | None:
     """An executor's decode graphs, or None (logged why) where steps run eagerly."""
-    why = graphs_apply(runner.device, backend.name, runner.model_impl, enforce_eager)
+    why = graphs_apply(runner.device, backend.name, runner.model_impl, enforce_eager,
+                       interpreted=backend.name == "triton" and _triton_interpreted())
     if why is not None:
         log.info("decode steps run eagerly (no CUDA graphs)", reason=why)
         return None

@@ -75,6 +75,7 @@ def test_graphs_apply_only_to_triton_and_our_forward_on_cuda():
     assert graphs_apply(cpu, "cpu", "kvpager", False) == "device cpu"
     assert graphs_apply(cuda, "torch", "kvpager", False) == "attention backend torch"
     assert graphs_apply(cuda, "triton", "transformers", False) == "model_impl transformers"
+    assert graphs_apply(cuda, "triton", "kvpager", False, interpreted=True).startswith("triton interpreter")
 
 
 def test_config_and_cli_carry_the_graph_settings(tmp_path):
@@ -343,7 +344,7 @@ def test_no_memory_for_graphs_means_eager_steps_not_a_failed_start(checkpoints, 
 
     s = Setup(checkpoints("llama_gqa"), "rerun", "torch", 1)
     # As on CUDA: graphs apply, and the capture runs out of memory.
-    monkeypatch.setattr(cuda_graphs, "graphs_apply", lambda *args: None)
+    monkeypatch.setattr(cuda_graphs, "graphs_apply", lambda *args, **kw: None)
     monkeypatch.setattr(cuda_graphs, "cuda_graph_factory", lambda: OutOfMemory)
     graphs = cuda_graphs.capture_decode_graphs(s.runner, s.kv_caches, s.backend, None, num_groups=1,
                                                max_model_len=MAX_LEN, block_size=BS, max_batch=4,
