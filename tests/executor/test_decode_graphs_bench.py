@@ -1,26 +1,16 @@
 """CPU checks of benchmarks/decode_graphs_gpu.py: its decode batches are what
 a decode step is, and it refuses to run without CUDA."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_graphs_gpu.py"
+from script_loader import script_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("decode_graphs_gpu_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with script_module("benchmarks/decode_graphs_gpu.py") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_decode_batch_rows_own_their_blocks(bench):

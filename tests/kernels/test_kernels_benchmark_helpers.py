@@ -1,25 +1,15 @@
 """CPU checks of benchmarks/kernels_gpu.py's shape, byte and FLOP helpers."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_gpu.py"
+from script_loader import script_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("kernels_gpu_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building
-    try:
-        spec.loader.exec_module(module)
+    with script_module("benchmarks/kernels_gpu.py") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_decode_grid_and_memory(bench):
