@@ -49,6 +49,14 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
     return _given(args, GATEWAY_FLAGS) + shlex.split(args.gateway_args)
 
 
+def executor_flags(args: argparse.Namespace) -> list[str]:
+    """The executors' CUDA-graph flags, when given (the executor's defaults otherwise)."""
+    out = ["--enforce-eager"] if args.enforce_eager else []
+    if args.cuda_graph_max_batch is not None:
+        out += ["--cuda-graph-max-batch", str(args.cuda_graph_max_batch)]
+    return out
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start memory service, executors and gateway locally (Ctrl-C stops)")
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: the demo model, built once)")
@@ -74,6 +82,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "cpu", "triton"))
     p.add_argument("--model-impl", default="auto", choices=("auto", "kvpager", "transformers"),
                    help="executor forward: kvpager's own for the Llama family (auto) or transformers' code")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA executors: no decode CUDA graphs (faster start, slower small batches)")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=None,
+                   help="CUDA executors: the largest decode batch replayed as a graph (executor default 256)")
     p.add_argument("--log-dir", default=None, help="child logs (default: a fresh temp dir)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
@@ -136,7 +148,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         log_level=args.log_level, ready_timeout_s=args.ready_timeout_s, grace_s=args.grace_s,
         drain_timeout_s=args.drain_timeout_s, generate_admin_token=not args.no_admin_token,
         extra_args={"gateway": scheduling_argv(args) + gateway_flags(args),
-                    **({"memory": flags} if (flags := _given(args, MEMORY_FLAGS)) else {})},
+                    **({"memory": flags} if (flags := _given(args, MEMORY_FLAGS)) else {}),
+                    **({"executor": flags} if (flags := executor_flags(args)) else {})},
         security=security if security.enabled or security.open_read_only or security.read_only_token else None)
 
 

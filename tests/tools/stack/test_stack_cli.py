@@ -291,6 +291,24 @@ def test_up_passes_tenant_and_memory_policy_flags_when_given():
         p.parse_args(argv[argv.index("-m") + 2:])
 
 
+def test_up_passes_the_executors_cuda_graph_flags_when_given():
+    import argparse
+
+    from executor_service.cli import add_arguments as executor_arguments
+
+    children = children_for("--executors", "2", "--device", "cuda", "--enforce-eager",
+                            "--cuda-graph-max-batch", "64")
+    for executor in children[1:3]:
+        argv = executor.argv
+        assert argv[-3:] == ["--enforce-eager", "--cuda-graph-max-batch", "64"]
+        p = argparse.ArgumentParser()
+        executor_arguments(p)
+        parsed = p.parse_args(argv[argv.index("-m") + 2:])
+        assert (parsed.enforce_eager, parsed.cuda_graph_max_batch, parsed.device) == (True, 64, "cuda")
+    plain = children_for()
+    assert not [a for a in plain[1].argv if "eager" in a or "cuda-graph" in a]
+
+
 def test_up_refuses_a_policy_flag_the_service_would_refuse(capsys):
     with pytest.raises(SystemExit) as e:
         parse("up", "--preemption-mode", "sometimes")
