@@ -129,17 +129,13 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         device = kv_caches[0][0].device
         b, mb = self.max_batch, max_blocks_per_seq
-
-        def i32(*shape):
-            return torch.zeros(shape, dtype=torch.int32, device=device)
-
         self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
         self.positions = torch.zeros(b, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(b, dtype=torch.int64, device=device)
         self.slot_mappings = [torch.full((b,), PAD_SLOT, dtype=torch.int32, device=device) for _ in range(num_groups)]
-        self.block_tables = [i32(b, mb) for _ in range(num_groups)]
+        self.block_tables = [torch.zeros((b, mb), dtype=torch.int32, device=device) for _ in range(num_groups)]
         self._graphs: dict[int, object] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # size -> its graph's logits [size, V] fp32
         t0 = time.perf_counter()
@@ -223,7 +219,6 @@ def capture_decode_graphs(runner: ModelRunner, kv_caches: list[tuple[torch.Tenso
     if why is not None:
         log.info("decode steps run eagerly (no CUDA graphs)", reason=why)
         return None
-    sizes = graph_batch_sizes(max_batch)
 
     def progress(done: int, total: int) -> None:
         if done % 8 == 0 or done == total:
@@ -239,6 +234,7 @@ def capture_decode_graphs(runner: ModelRunner, kv_caches: list[tuple[torch.Tenso
         log.warning("no memory left for decode CUDA graphs; steps run eagerly (lower --gpu-memory-fraction "
                     "or --cuda-graph-max-batch to keep them)", error=str(exc)[:200])
         return None
+    sizes = graphs.sizes
     log.info("decode CUDA graphs captured", sizes=f"{sizes[0]}..{sizes[-1]} ({len(sizes)})",
              capture_s=round(graphs.capture_s, 2))
     return graphs
