@@ -81,7 +81,7 @@ def graphs_apply(device: torch.device, backend_name: str, model_impl: str, enfor
     return None
 
 
-def _triton_interpreted() -> bool:
+def triton_interpreted() -> bool:
     from kernels._jit import is_interpreted
     from kernels.triton_store_kv import _store_kv_kernel
 
@@ -215,7 +215,7 @@ def capture_decode_graphs(runner: ModelRunner, kv_caches: list[tuple[torch.Tenso
                           enforce_eager: bool) -> DecodeGraphs | None:
     """An executor's decode graphs, or None (logged why) where steps run eagerly."""
     why = graphs_apply(runner.device, backend.name, runner.model_impl, enforce_eager,
-                       interpreted=backend.name == "triton" and _triton_interpreted())
+                       interpreted=backend.name == "triton" and triton_interpreted())
     if why is not None:
         log.info("decode steps run eagerly (no CUDA graphs)", reason=why)
         return None

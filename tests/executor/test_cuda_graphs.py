@@ -38,12 +38,9 @@ class RerunGraph:
 
 
 def _cuda_compiled() -> bool:
-    if not torch.cuda.is_available() or not triton_available():
-        return False
-    from kernels._jit import is_interpreted
-    from kernels.triton_store_kv import _store_kv_kernel
+    from executor_service.cuda_graphs import triton_interpreted
 
-    return not is_interpreted(_store_kv_kernel)
+    return torch.cuda.is_available() and triton_available() and not triton_interpreted()
 
 
 KINDS = [
