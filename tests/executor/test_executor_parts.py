@@ -45,6 +45,8 @@ def test_pool_swap_out_in_and_copy_move_whole_blocks_of_every_layer():
     # Per-layer views alias the pool.
     k0, v0 = pool.layer_caches()[0]
     assert k0.data_ptr() == pool.kv[0, 0].data_ptr() and v0.shape == (8, 2, 2, 4)
+    # Stored head-major: a kv head's rows of a block are contiguous (2 x 4), the heads 8 apart.
+    assert k0.stride() == (16, 4, 8, 1) and pool.swap[0, 0].stride() == k0.stride()
 
 
 def test_demo_model_cli_is_deterministic_and_loads(tmp_path):

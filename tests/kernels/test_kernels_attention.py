@@ -6,12 +6,15 @@ tokens; the KV tile is 64 tokens (32 for head_dim 256), so block sizes 8/16
 exercise tiles spanning several blocks and 32/128 whole-block tiles.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
+from executor_service.kv_pool import head_major
 from kernels import reference as R
 from kernels.testing import contiguous_attention, make_paged_batch
 from kernels.triton_paged_attention import decode_partition_size, paged_attention_impl
@@ -67,6 +70,16 @@ def test_decode_split_partitions(device, tol, dtype, partition_size):
 def test_decode_without_split(device, tol):
     batch = _batch("decode", device, num_heads=8, block_size=32)
     _assert_matches_reference(batch, tol, split_decode=False)
+
+
+@pytest.mark.parametrize("mix", ["decode", "prefix_hit"])
+def test_head_major_pool_gives_the_same_bits(device, mix):
+    # The executor stores each block head-major (executor_service.kv_pool).
+    batch = _batch(mix, device, num_heads=8)
+    pool = head_major(batch.pool.shape, dtype=batch.pool.dtype, device=batch.pool.device).copy_(batch.pool)
+    hm = dataclasses.replace(batch, pool=pool)
+    assert hm.k_cache.stride() != batch.k_cache.stride()
+    assert torch.equal(kernels.paged_attention(*hm.args()), kernels.paged_attention(*batch.args()))
 
 
 def test_block_size_128_and_gqa_8(device, tol):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kernels
+from executor_service.kv_pool import head_major
 from kernels import reference as R
 
 PAIRS = ([1, 4, 0], [6, 2, 7])  # dst distinct and disjoint from src
@@ -26,8 +27,11 @@ def test_copy_blocks_one_layer(device, dtype, index_dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_copy_blocks_all_layers(device, dtype):
+@pytest.mark.parametrize("storage", ["token-major", "head-major"])  # head-major: the executor's pool
+def test_copy_blocks_all_layers(device, dtype, storage):
     pool = _pool(dtype, device)
+    if storage == "head-major":
+        pool = head_major(pool.shape, dtype=dtype, device=device).copy_(pool)
     expect = pool.clone()
     src, dst = (torch.tensor(x, device=device) for x in PAIRS)
     kernels.copy_blocks_all_layers(pool, src, dst)

@@ -2,9 +2,12 @@
 paged attention against ``kernels.reference`` (and the independent
 contiguous SDPA; in 16-bit dtypes also transformers' eager attention), the fused layer steps against ``kernels.fused_reference``."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from executor_service.kv_pool import head_major
 from kernels import cpu_attention, cpu_build, fused_reference as FR, reference as R
 from kernels.testing import contiguous_attention, eager_attention, make_paged_batch
 
@@ -37,6 +40,17 @@ def test_attention_matches_reference(mix, group, block_size):
     got = cpu_attention.paged_attention(*batch.args())
     torch.testing.assert_close(got, R.paged_attention(*batch.args()), **TOL[torch.float32])
     torch.testing.assert_close(got, contiguous_attention(batch), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mix", ["decode", "mixed", "long_chunk"])  # in place, and gathered for SDPA
+def test_attention_reads_the_executors_head_major_pool(dtype, mix):
+    # The executor stores each block head-major (executor_service.kv_pool):
+    # the same logical caches under other strides give the same bits.
+    batch = _batch(mix, dtype=dtype, num_heads=14)
+    hm = dataclasses.replace(batch, pool=head_major(batch.pool.shape, dtype=dtype).copy_(batch.pool))
+    assert hm.k_cache.stride() != batch.k_cache.stride() and torch.equal(hm.pool, batch.pool)
+    assert torch.equal(cpu_attention.paged_attention(*hm.args()), cpu_attention.paged_attention(*batch.args()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -208,11 +222,14 @@ def test_rope_store_kv(dtype):
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
     slots = torch.tensor([3, -1, 8, 21, 0], dtype=torch.int32)  # -1: computed, not stored
     caches = [torch.zeros(nb, bs, kvh, d, dtype=dtype) for _ in range(4)]
+    pool = head_major((2, nb, bs, kvh, d), dtype=dtype)  # the executor's storage
     q1 = torch.ops.kvpager_cpu.rope_store_kv(qkv, cos, sin, h, kvh, caches[0], caches[1], slots)
     q2 = FR.rope_store_kv(qkv, cos, sin, h, kvh, caches[2], caches[3], slots)
+    q3 = torch.ops.kvpager_cpu.rope_store_kv(qkv, cos, sin, h, kvh, pool[0], pool[1], slots)
     # Elementwise with torch's rounding points: bit-identical.
-    assert torch.equal(q1, q2)
+    assert torch.equal(q1, q2) and torch.equal(q1, q3)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert torch.equal(pool[0], caches[0]) and torch.equal(pool[1], caches[1])
     assert caches[0].view(-1, kvh, d)[[3, 8, 21, 0]].abs().sum() > 0
 
 

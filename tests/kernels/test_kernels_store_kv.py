@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
+from executor_service.kv_pool import head_major
 from kernels import reference as R
 
 
@@ -42,6 +43,16 @@ def test_store_kv_strided_inputs(device):
     key, value = fused[:, 1], fused[:, 2]
     slots = torch.tensor([3, 9, -1, 40, 17], device=device)
     _check(pool, key, value, slots)
+
+
+def test_store_kv_into_a_head_major_pool(device):
+    # The executor's storage (executor_service.kv_pool): [.., KVH, BS, D] in
+    # memory under the [.., BS, KVH, D] shape; the reference writes through
+    # index_put_ there, the kernel by strides.
+    pool = head_major((2, 2, 6, 8, 2, 16), device=device).copy_(_pool(torch.float32, device))
+    assert pool[1, 0].stride()[1:] == (16, 8 * 16, 1)
+    key, value = torch.randn(2, 5, 2, 16).to(device)
+    _check(pool, key, value, torch.tensor([3, 9, -1, 40, 17], device=device))
 
 
 def test_store_kv_all_skipped_and_empty(device):
