@@ -4,7 +4,9 @@ Same signatures as ``kernels.reference``. Sequences with short queries
 (decodes, small chunks) go to a C++ kernel (``kernels/cpu/paged_attention.cpp``)
 that walks each block table (scores, softmax, weighted values; in a 16-bit
 dtype rounded where transformers' eager attention rounds): no gathered copy
-of the context per layer and step. So do prefill chunks small enough that the
+of the context per layer and step. fp32 chunks of ``TILE_MIN_QUERY`` tokens
+or more are attended there in tiles of up to 16 tokens x the GQA group (small
+matrix products over the same block tables). So do prefill chunks small enough that the
 kernel's vector arithmetic beats a separate SDPA call for the sequence (its
 fixed cost is a gather, a mask and a dispatch per layer): on a CPU without
 AMX every prompt up to a few thousand tokens. Larger chunks keep the
@@ -27,6 +29,11 @@ from kernels import cpu_build, reference
 
 # Queries up to this long per sequence always use the in-place kernel.
 SHORT_QUERY = 16
+# fp32 chunks of at least this many queries are attended in tiles
+# (kernels/cpu/attention_tiles.h: many tokens x the GQA group per K/V row
+# read; a 0.5B prefill's attention 28 -> ~18 ms a layer on the AVX-512 EPYC,
+# docs/benchmarks.md); decodes walk their one query. 0: never.
+TILE_MIN_QUERY = 2
 # Longer chunks use it too while (query rows x attended context) stays within
 # this many pairs for the pool's dtype, by whether the CPU has AMX; past it,
 # the chunk's gather + SDPA wins. The crossovers measured (docs/kernels.md):
@@ -110,7 +117,7 @@ def paged_attention(
         # 0 = no window / no soft-capping in the C++ signature.
         torch.ops.kvpager_cpu.paged_attention(out, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
                                               qsl.contiguous(), plan.in_place_seqs, float(scale), int(window or 0),
-                                              float(softcap or 0.0))
+                                              float(softcap or 0.0), TILE_MIN_QUERY)
     for c in plan.long_chunks:  # in the model's dtype: the reference upcasts to fp32
         reference._attend_prefill(q, k_cache, v_cache, c, scale, out, softcap, native=True)
     return out

@@ -5,7 +5,9 @@
 // kv head, query token) walks its block table twice (scores, then values),
 // so a decode reads each cached K/V row once and copies nothing.
 // The H / KVH query heads that share a kv head are computed together: one
-// K/V row load serves the whole GQA group. In a 16-bit dtype scores and
+// K/V row load serves the whole GQA group. fp32 prefill chunks (at least
+// tile_min_query tokens) go to attention_tiles.h instead: up to 16 tokens x
+// the group at once, as small matrix products; decodes are walked here. In a 16-bit dtype scores and
 // probabilities are rounded where transformers' eager attention rounds them
 // (finish_scores, scale_round).
 //
@@ -18,6 +20,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "attention_tiles.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -608,6 +611,45 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
   });
 }
 
+#if defined(__AVX512F__)
+// The tiles of fp32 prefill chunks (attention_tiles.h), handed out one at a
+// time, last first (a sequence's later tokens attend more keys).
+template <int C>
+void run_tiles(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+               const at::Tensor& v_cache, const int32_t* tables, const std::vector<kvpager::TileJob>& jobs) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(jobs.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    kvpager::TileScratch scratch;
+    for (int64_t taken = next.fetch_add(1, std::memory_order_relaxed); taken < n;
+         taken = next.fetch_add(1, std::memory_order_relaxed))
+      kvpager::attend_tile<C>(jobs[n - 1 - taken], scratch);
+  });
+}
+
+// Whether a chunk of q_len queries goes to the tiles: fp32, a head dim with a
+// tile kernel, no window or soft-capping, and at least tile_min_query tokens
+// (0: never).
+bool tiles_take(const Shape& sh, at::ScalarType dtype, int64_t q_len, int64_t tile_min_query) {
+  const int64_t d = sh.head_dim;
+  return tile_min_query > 0 && q_len >= tile_min_query && dtype == at::kFloat && sh.window == 0 &&
+         sh.softcap == 0.f && (d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256);
+}
+
+void dispatch_tiles(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const int32_t* tables, const std::vector<kvpager::TileJob>& jobs) {
+  switch (sh.head_dim / 16) {
+    case 2: return run_tiles<2>(sh, out, q, k, v, tables, jobs);
+    case 4: return run_tiles<4>(sh, out, q, k, v, tables, jobs);
+    case 5: return run_tiles<5>(sh, out, q, k, v, tables, jobs);
+    case 6: return run_tiles<6>(sh, out, q, k, v, tables, jobs);
+    case 8: return run_tiles<8>(sh, out, q, k, v, tables, jobs);
+    case 16: return run_tiles<16>(sh, out, q, k, v, tables, jobs);
+    default: TORCH_CHECK(false, "paged_attention: no tile kernel for head_dim ", sh.head_dim);
+  }
+}
+#endif
+
 template <typename T>
 void dispatch_dim(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl,
@@ -630,10 +672,12 @@ void dispatch_dim(const Shape& sh, const at::Tensor& out, const at::Tensor& q, c
 // seq_lens[s] - q_len[s] + j and attends to positions <= its own (and, with
 // window > 0, > its own - window; table entries before the first query's
 // window may be padding). softcap > 0: Gemma 2's logit soft-capping.
+// tile_min_query: fp32 chunks of at least this many queries are attended in
+// tiles (attention_tiles.h, AVX-512 builds); 0 walks every query alone.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& seqs, double scale, int64_t window,
-                     double softcap) {
+                     double softcap, int64_t tile_min_query) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0 = off)");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of one shape");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [NB, BS, KVH, D]");
@@ -671,8 +715,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int64_t* sp = seqs.data_ptr<int64_t>();
   const int64_t num_seqs = seq_lens.numel();
+  const float sc = static_cast<float>(scale);
   std::vector<int64_t> items;
   items.reserve(static_cast<size_t>(seqs.numel()));
+#if defined(__AVX512F__)
+  std::vector<kvpager::TileJob> jobs;
+#endif
   for (int64_t i = 0; i < seqs.numel(); ++i) {
     const int64_t s = sp[i];
     TORCH_CHECK(s >= 0 && s < num_seqs, "sequence index out of range");
@@ -684,10 +732,24 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       const int32_t blk = tables[s * sh.max_blocks + b];
       TORCH_CHECK(blk >= 0 && blk < sh.num_blocks, "block id out of range");
     }
+#if defined(__AVX512F__)
+    if (tiles_take(sh, q.scalar_type(), q_len, tile_min_query)) {
+      const int64_t per = kvpager::tile_tokens(sh.group, lens[s]);
+      for (int64_t j = 0; j < q_len; j += per)
+        for (int64_t h = 0; h < sh.num_kv_heads; ++h)
+          jobs.push_back({q.data_ptr<float>(), sh.q_s0, sh.q_s1, k_cache.data_ptr<float>(), sh.k_s0, sh.k_s1, sh.k_s2,
+                          v_cache.data_ptr<float>(), sh.v_s0, sh.v_s1, sh.v_s2, out.data_ptr<float>(), sh.o_s0,
+                          sh.o_s1, tables + s * sh.max_blocks, sh.block_size, sh.group, qsl[s] + j,
+                          lens[s] - q_len + j, std::min(per, q_len - j), h, sc});
+      continue;
+    }
+#endif
     for (int64_t j = 0; j < q_len; ++j) items.push_back((s << 32) | j);
   }
+#if defined(__AVX512F__)
+  if (!jobs.empty()) dispatch_tiles(sh, out, q, k_cache, v_cache, tables, jobs);
+#endif
   if (items.empty()) return;
-  const float sc = static_cast<float>(scale);
   switch (q.scalar_type()) {
     case at::kFloat:
       return dispatch_dim<float>(sh, out, q, k_cache, v_cache, tables, lens, qsl, items, sc);
@@ -705,7 +767,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale, int window, float softcap) -> ()");
+      "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale, int window, float softcap, "
+      "int tile_min_query) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvpager_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

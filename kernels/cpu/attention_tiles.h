@@ -1,0 +1,239 @@
+// Prefill attention in tiles (fp32, AVX-512): many query tokens of one
+// sequence against one kv head at once, as small matrix products.
+//
+// The per-token walk in paged_attention.cpp computes each query's scores as
+// dot products (a 16-lane multiply-add chain and a transpose-and-add
+// reduction per key) and re-reads the context's K/V once per token. For a
+// prompt that is most of a prefill's attention. Here a tile's query rows
+// (tokens x the GQA group's heads, up to 16 x 7 = 112 at the 0.5B Llama's
+// shapes) are laid out transposed once, QT [D][rows], so a key's scores for
+// 16 rows are one register of fused multiply-adds, and each K and V row
+// loaded serves every row of the tile:
+//   scores   ST[key][row] = (K[key] . Q[row]) * scale   6 keys x 64 rows a step
+//   mask     ST[key][row] = -inf past the row's position (causal)
+//   softmax  down the keys, 16 rows a vector (max, exp, sum, * 1/sum)
+//   values   O[row] = sum_key ST[key][row] * V[key]     up to 6 rows x D a step
+// The softmax and the value sums are the per-token walk's arithmetic (the
+// same exp, probabilities scaled by 1/sum, values summed key by key); the
+// scores differ in summation order only (along D in one chain, not in 16
+// lanes reduced by a tree), so outputs agree to a few ulp.
+//
+// On the 0.5B Llama's shapes (a 4,544-token prefill of 32 prompts, one
+// layer, 2 threads on the AVX-512 EPYC) the attention took 28 ms walked per
+// token and ~18 ms in tiles (docs/benchmarks.md).
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace kvpager {
+
+// Rows' scores kept for one tile: at most this many bytes (the tile shrinks
+// as the context grows, so ST stays in L2 beside the K/V being read).
+constexpr int64_t kTileScoreBytes = 1 << 20;
+constexpr int64_t kTileMaxTokens = 16;
+
+// Query tokens per tile for a sequence attending `context` keys with
+// `group` query heads per kv head.
+inline int64_t tile_tokens(int64_t group, int64_t context) {
+  const int64_t rows = kTileScoreBytes / (4 * std::max<int64_t>(context, 1));
+  return std::clamp<int64_t>(rows / std::max<int64_t>(group, 1), 1, kTileMaxTokens);
+}
+
+struct TileScratch {
+  std::vector<float> qt, st;       // QT [D][rp], ST [L][rp]
+  std::vector<int32_t> pos;        // [rp] each row's position (padding: the last row's)
+  std::vector<const float*> rows;  // [R] each row's query vector
+};
+
+// One tile: the query tokens [0, count) at q rows q0 + t, positions pos0 + t,
+// against kv head kvh of a sequence whose block table is `table`.
+struct TileJob {
+  const float* q;
+  int64_t q_s0, q_s1;
+  const float* k;
+  int64_t k_s0, k_s1, k_s2;
+  const float* v;
+  int64_t v_s0, v_s1, v_s2;
+  float* out;
+  int64_t o_s0, o_s1;
+  const int32_t* table;
+  int64_t block_size, group;
+  int64_t q0, pos0, count, kvh;
+  float scale;
+};
+
+// st[i][16j..] = (K[key_i] . QT[.][16j..]) * scale for NK keys and J vectors
+// of rows (NK * J accumulators; 6 x 4 leaves room for the operands).
+template <int NK, int J>
+inline void tile_scores(const float* __restrict qt, int64_t rp, const float* const* krow, int64_t d_len,
+                        float* __restrict st, float scale) {
+  __m512 acc[NK][J];
+  for (int i = 0; i < NK; ++i)
+    for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < d_len; ++d) {
+    __m512 qv[J];
+    for (int j = 0; j < J; ++j) qv[j] = _mm512_loadu_ps(qt + d * rp + 16 * j);
+    for (int i = 0; i < NK; ++i) {
+      const __m512 kd = _mm512_set1_ps(krow[i][d]);
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_fmadd_ps(kd, qv[j], acc[i][j]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int i = 0; i < NK; ++i)
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(st + i * rp + 16 * j, _mm512_mul_ps(acc[i][j], sc));
+}
+
+// NK keys against every row vector, four vectors at a time.
+template <int NK>
+inline void tile_scores_keys(const float* qt, int64_t rp, const float* const* krow, int64_t d_len, float* st,
+                             float scale) {
+  const int64_t nv = rp / 16;
+  int64_t j = 0;
+  for (; j + 4 <= nv; j += 4) tile_scores<NK, 4>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
+  switch (nv - j) {
+    case 3: return tile_scores<NK, 3>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
+    case 2: return tile_scores<NK, 2>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
+    case 1: return tile_scores<NK, 1>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
+    default: return;
+  }
+}
+
+// Rows per value step: RR rows x C vectors of D in registers (at most 24).
+template <int C>
+constexpr int tile_value_rows() {
+  return C >= 16 ? 1 : std::min(6, 24 / C);
+}
+
+// o[r] = sum over keys [0, n_keys) of st[key][r0 + r] * V[key] for RR rows.
+template <int C, int RR>
+inline void tile_values(const TileJob& jb, const float* __restrict st, int64_t rp, int64_t r0, int64_t n_keys,
+                        float* const* orow) {
+  __m512 acc[RR][C];
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t BS = jb.block_size;
+  for (int64_t b = 0; b * BS < n_keys; ++b) {
+    const float* vb = jb.v + static_cast<int64_t>(jb.table[b]) * jb.v_s0 + jb.kvh * jb.v_s2;
+    const int64_t n = std::min<int64_t>(BS, n_keys - b * BS);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vr = vb + t * jb.v_s1;
+      const float* p = st + (b * BS + t) * rp + r0;
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+      for (int r = 0; r < RR; ++r) {
+        const __m512 pr = _mm512_set1_ps(p[r]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vv[c], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(orow[r] + 16 * c, acc[r][c]);
+}
+
+template <int C, int RR>
+inline void tile_values_rest(int rest, const TileJob& jb, const float* st, int64_t rp, int64_t r0, int64_t n_keys,
+                             float* const* orow) {
+  if constexpr (RR > 0) {
+    if (rest == RR) return tile_values<C, RR>(jb, st, rp, r0, n_keys, orow);
+    return tile_values_rest<C, RR - 1>(rest, jb, st, rp, r0, n_keys, orow);
+  }
+}
+
+// One tile, D = 16 * C. Row r is token r / group, query head kvh * group + r % group.
+template <int C>
+void attend_tile(const TileJob& jb, TileScratch& sc) {
+  constexpr int64_t D = 16 * C;
+  const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
+  if (static_cast<int64_t>(sc.qt.size()) < D * rp) sc.qt.resize(D * rp);
+  if (static_cast<int64_t>(sc.st.size()) < L * rp) sc.st.resize(L * rp);
+  sc.pos.resize(rp);
+  sc.rows.resize(R);
+  float* qt = sc.qt.data();
+  float* st = sc.st.data();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = r / G;
+    sc.rows[r] = jb.q + (jb.q0 + t) * jb.q_s0 + (jb.kvh * G + r % G) * jb.q_s1;
+    sc.pos[r] = static_cast<int32_t>(jb.pos0 + t);
+  }
+  for (int64_t r = R; r < rp; ++r) sc.pos[r] = static_cast<int32_t>(L - 1);  // padding sees real keys: no NaN
+  for (int64_t d = 0; d < D; ++d) {
+    float* qd = qt + d * rp;
+    for (int64_t r = 0; r < R; ++r) qd[r] = sc.rows[r][d];
+    for (int64_t r = R; r < rp; ++r) qd[r] = 0.f;
+  }
+
+  // Scores, block by block of the table, six keys a step.
+  const int64_t BS = jb.block_size;
+  const float* krow[6];
+  for (int64_t b = 0; b * BS < L; ++b) {
+    const float* kb = jb.k + static_cast<int64_t>(jb.table[b]) * jb.k_s0 + jb.kvh * jb.k_s2;
+    const int64_t n = std::min<int64_t>(BS, L - b * BS);
+    int64_t t = 0;
+    for (; t + 6 <= n; t += 6) {
+      for (int i = 0; i < 6; ++i) krow[i] = kb + (t + i) * jb.k_s1;
+      tile_scores_keys<6>(qt, rp, krow, D, st + (b * BS + t) * rp, jb.scale);
+    }
+    for (int i = 0; i < n - t; ++i) krow[i] = kb + (t + i) * jb.k_s1;
+    float* s = st + (b * BS + t) * rp;
+    switch (n - t) {
+      case 5: tile_scores_keys<5>(qt, rp, krow, D, s, jb.scale); break;
+      case 4: tile_scores_keys<4>(qt, rp, krow, D, s, jb.scale); break;
+      case 3: tile_scores_keys<3>(qt, rp, krow, D, s, jb.scale); break;
+      case 2: tile_scores_keys<2>(qt, rp, krow, D, s, jb.scale); break;
+      case 1: tile_scores_keys<1>(qt, rp, krow, D, s, jb.scale); break;
+      default: break;
+    }
+  }
+
+  // Causal mask: only the tile's own later tokens lie past a row's position.
+  const int64_t nv = rp / 16;
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t key = jb.pos0 + 1; key < L; ++key)
+    for (int64_t j = 0; j < nv; ++j) {
+      const __m512i p = _mm512_loadu_si512(sc.pos.data() + 16 * j);
+      const __mmask16 past = _mm512_cmplt_epi32_mask(p, _mm512_set1_epi32(static_cast<int32_t>(key)));
+      float* s = st + key * rp + 16 * j;
+      _mm512_storeu_ps(s, _mm512_mask_mov_ps(_mm512_loadu_ps(s), past, ninf));
+    }
+
+  // Softmax down the keys, 16 rows a vector.
+  for (int64_t j = 0; j < nv; ++j) {
+    __m512 mx = ninf;
+    for (int64_t key = 0; key < L; ++key) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + key * rp + 16 * j));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t key = 0; key < L; ++key) {
+      float* s = st + key * rp + 16 * j;
+      const __m512 e = vexp16(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
+      _mm512_storeu_ps(s, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+    for (int64_t key = 0; key < L; ++key) {
+      float* s = st + key * rp + 16 * j;
+      _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_loadu_ps(s), inv));
+    }
+  }
+
+  // Values, RR rows a step; a step reads keys up to its last row's position.
+  constexpr int RR = tile_value_rows<C>();
+  float* orow[RR];
+  for (int64_t r0 = 0; r0 < R; r0 += RR) {
+    const int rr = static_cast<int>(std::min<int64_t>(RR, R - r0));
+    for (int i = 0; i < rr; ++i) {
+      const int64_t r = r0 + i;
+      orow[i] = jb.out + (jb.q0 + r / G) * jb.o_s0 + (jb.kvh * G + r % G) * jb.o_s1;
+    }
+    tile_values_rest<C, RR>(rr, jb, st, rp, r0, jb.pos0 + (r0 + rr - 1) / G + 1, orow);
+  }
+}
+
+}  // namespace kvpager
+#endif

@@ -1,0 +1,90 @@
+"""fp32 prefill chunks attended in tiles (kernels/cpu/attention_tiles.h)
+against the per-query walk of the same C++ kernel and kernels.reference."""
+
+import pytest
+import torch
+
+from kernels import cpu_attention, cpu_build, reference as R
+from kernels.testing import contiguous_attention, make_paged_batch
+
+pytestmark = pytest.mark.skipif(not cpu_build.available() or "avx512f" not in cpu_build.cpu_flags().split(),
+                                reason="the tile kernel is built for AVX-512 CPUs")
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+TILE_MIN_QUERY = cpu_attention.TILE_MIN_QUERY  # the product's setting (tests patch the module's)
+
+
+def _both(batch, monkeypatch, **kw):
+    """(tiled, walked) outputs of the in-place kernel for every sequence."""
+    got = {}
+    assert TILE_MIN_QUERY >= 1
+    for name, min_query in (("tiled", TILE_MIN_QUERY), ("walked", 0)):
+        monkeypatch.setattr(cpu_attention, "TILE_MIN_QUERY", min_query)
+        plan = cpu_attention.CpuAttentionPlan(in_place_seqs=torch.arange(batch.seq_lens.numel()),
+                                              window=kw.get("window"))
+        got[name] = cpu_attention.paged_attention(*batch.args(), plan=plan, **kw)
+    return got["tiled"], got["walked"]
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
+def test_tiles_match_the_walk_and_the_reference(monkeypatch, group, head_dim):
+    # 37 tokens: two full tiles and a ragged one; 3 tokens x 7 heads = 21 rows
+    # (a padded row vector); a cached prefix; a decode that stays walked.
+    batch = make_paged_batch([37, 50, 9, 64], [37, 3, 1, 20], num_heads=2 * group, num_kv_heads=2,
+                             head_dim=head_dim, block_size=16)
+    tiled, walked = _both(batch, monkeypatch)
+    torch.testing.assert_close(tiled, walked, **TOL)
+    torch.testing.assert_close(tiled, R.paged_attention(*batch.args()), **TOL)
+    torch.testing.assert_close(tiled, contiguous_attention(batch), **TOL)
+    # The decode's rows are the walk's own: bit for bit.
+    assert torch.equal(tiled[40], walked[40])
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_tiles_cross_blocks_of_any_size(monkeypatch, block_size):
+    batch = make_paged_batch([150, 70], [150, 33], num_heads=14, num_kv_heads=2, head_dim=64,
+                             block_size=block_size)
+    tiled, walked = _both(batch, monkeypatch)
+    torch.testing.assert_close(tiled, walked, **TOL)
+
+
+def test_long_context_shrinks_the_tile(monkeypatch):
+    # 2,600 keys x 7 heads: the score rows of 16 tokens would pass 1 MiB,
+    # so tiles hold fewer tokens (tile_tokens); the answer is the same.
+    batch = make_paged_batch([2600], [40], num_heads=14, num_kv_heads=2, head_dim=64, block_size=16)
+    tiled, walked = _both(batch, monkeypatch)
+    torch.testing.assert_close(tiled, walked, **TOL)
+
+
+def test_tiles_read_nothing_past_each_length_and_leave_other_rows(monkeypatch):
+    batch = make_paged_batch([45, 30], [45, 30], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    want = R.paged_attention(*batch.args())
+    used = set()
+    for s, n in enumerate(batch.seq_lens.tolist()):
+        blocks = batch.block_tables[s, : -(-n // 16)].tolist()
+        used.update(blocks)
+        if n % 16:
+            batch.pool[:, :, blocks[-1], n % 16:] = float("nan")
+    for b in set(range(batch.pool.shape[2])) - used:
+        batch.pool[:, :, b] = float("nan")
+    out = torch.full_like(batch.q, 7.0)
+    plan = cpu_attention.CpuAttentionPlan(in_place_seqs=torch.tensor([1]))  # only the second sequence
+    cpu_attention.paged_attention(*batch.args(), out=out, plan=plan)
+    assert torch.all(out[:45] == 7.0)
+    torch.testing.assert_close(out[45:], want[45:], **TOL)
+
+
+def test_sixteen_bit_and_windowed_chunks_keep_the_walk(monkeypatch):
+    # Tiles are fp32 without a window or soft-capping; the rest walk (and so
+    # give the walk's bits whatever TILE_MIN_QUERY says).
+    bf = make_paged_batch([40], [40], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                          dtype=torch.bfloat16)
+    tiled, walked = _both(bf, monkeypatch)
+    assert torch.equal(tiled, walked)
+    fp = make_paged_batch([40], [40], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    for kw in (dict(window=8), dict(softcap=30.0)):
+        tiled, walked = _both(fp, monkeypatch, **kw)
+        assert torch.equal(tiled, walked)
+    tiled, walked = _both(fp, monkeypatch)
+    assert not torch.equal(tiled, walked)  # the tiles did run here (summation order differs)
