@@ -70,6 +70,32 @@ struct TileJob {
   float scale;
 };
 
+// r[i][j] <- r[j][i]: sixteen rows of sixteen floats transposed in registers.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+  }
+}
+
 // st[i][16j..] = (K[key_i] . QT[.][16j..]) * scale for NK keys and J vectors
 // of rows (NK * J accumulators; 6 x 4 leaves room for the operands).
 template <int NK, int J>
@@ -164,11 +190,16 @@ void attend_tile(const TileJob& jb, TileScratch& sc) {
     sc.pos[r] = static_cast<int32_t>(jb.pos0 + t);
   }
   for (int64_t r = R; r < rp; ++r) sc.pos[r] = static_cast<int32_t>(L - 1);  // padding sees real keys: no NaN
-  for (int64_t d = 0; d < D; ++d) {
-    float* qd = qt + d * rp;
-    for (int64_t r = 0; r < R; ++r) qd[r] = sc.rows[r][d];
-    for (int64_t r = R; r < rp; ++r) qd[r] = 0.f;
-  }
+  for (int64_t j = 0; j < rp / 16; ++j)  // QT, 16 rows x 16 dims a register transpose
+    for (int c = 0; c < C; ++c) {
+      __m512 blk[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t r = 16 * j + i;
+        blk[i] = r < R ? _mm512_loadu_ps(sc.rows[r] + 16 * c) : _mm512_setzero_ps();
+      }
+      transpose16(blk);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(qt + (16 * c + i) * rp + 16 * j, blk[i]);
+    }
 
   // Scores, block by block of the table, six keys a step.
   const int64_t BS = jb.block_size;
