@@ -4,13 +4,13 @@ Same signatures as ``kernels.reference``. Sequences with short queries
 (decodes, small chunks) go to a C++ kernel (``kernels/cpu/paged_attention.cpp``)
 that walks each block table (scores, softmax, weighted values; in a 16-bit
 dtype rounded where transformers' eager attention rounds): no gathered copy
-of the context per layer and step. fp32 chunks of ``TILE_MIN_QUERY`` tokens
-or more are attended there in tiles of up to 16 tokens x the GQA group (small
-matrix products over the same block tables). So do prefill chunks small enough that the
+of the context per layer and step. So do prefill chunks small enough that the
 kernel's vector arithmetic beats a separate SDPA call for the sequence (its
 fixed cost is a gather, a mask and a dispatch per layer): on a CPU without
-AMX every prompt up to a few thousand tokens. Larger chunks keep the
-reference's path (one sequence's context gathered once, then
+AMX every prompt up to a few thousand tokens. In the kernel, fp32 chunks of
+``TILE_MIN_QUERY`` tokens or more are attended in tiles of up to 16 tokens x
+the GQA group (small matrix products over the same block tables). Chunks
+past the budget keep the reference's path (one sequence's context gathered once, then
 ``scaled_dot_product_attention``'s flash kernel), in the model's dtype rather
 than the reference's fp32 (bf16 SDPA runs on AMX tiles where there are any).
 

@@ -5,11 +5,11 @@
 // kv head, query token) walks its block table twice (scores, then values),
 // so a decode reads each cached K/V row once and copies nothing.
 // The H / KVH query heads that share a kv head are computed together: one
-// K/V row load serves the whole GQA group. fp32 prefill chunks (at least
-// tile_min_query tokens) go to attention_tiles.h instead: up to 16 tokens x
-// the group at once, as small matrix products; decodes are walked here. In a 16-bit dtype scores and
+// K/V row load serves the whole GQA group. In a 16-bit dtype scores and
 // probabilities are rounded where transformers' eager attention rounds them
-// (finish_scores, scale_round).
+// (finish_scores, scale_round). fp32 prefill chunks (at least tile_min_query
+// tokens) go to attention_tiles.h instead: up to 16 tokens x the group at
+// once, as small matrix products; decodes are walked here.
 //
 // Registered as torch.ops.kvpager_cpu.paged_attention (see kernels/cpu_attention.py,
 // which decides which sequences come here; kernels/reference.py is the reference).
@@ -615,8 +615,7 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
 // The tiles of fp32 prefill chunks (attention_tiles.h), handed out one at a
 // time, last first (a sequence's later tokens attend more keys).
 template <int C>
-void run_tiles(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-               const at::Tensor& v_cache, const int32_t* tables, const std::vector<kvpager::TileJob>& jobs) {
+void run_tiles(const std::vector<kvpager::TileJob>& jobs) {
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(jobs.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
@@ -636,16 +635,15 @@ bool tiles_take(const Shape& sh, at::ScalarType dtype, int64_t q_len, int64_t ti
          sh.softcap == 0.f && (d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256);
 }
 
-void dispatch_tiles(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, const int32_t* tables, const std::vector<kvpager::TileJob>& jobs) {
-  switch (sh.head_dim / 16) {
-    case 2: return run_tiles<2>(sh, out, q, k, v, tables, jobs);
-    case 4: return run_tiles<4>(sh, out, q, k, v, tables, jobs);
-    case 5: return run_tiles<5>(sh, out, q, k, v, tables, jobs);
-    case 6: return run_tiles<6>(sh, out, q, k, v, tables, jobs);
-    case 8: return run_tiles<8>(sh, out, q, k, v, tables, jobs);
-    case 16: return run_tiles<16>(sh, out, q, k, v, tables, jobs);
-    default: TORCH_CHECK(false, "paged_attention: no tile kernel for head_dim ", sh.head_dim);
+void dispatch_tiles(int64_t head_dim, const std::vector<kvpager::TileJob>& jobs) {
+  switch (head_dim / 16) {
+    case 2: return run_tiles<2>(jobs);
+    case 4: return run_tiles<4>(jobs);
+    case 5: return run_tiles<5>(jobs);
+    case 6: return run_tiles<6>(jobs);
+    case 8: return run_tiles<8>(jobs);
+    case 16: return run_tiles<16>(jobs);
+    default: TORCH_CHECK(false, "paged_attention: no tile kernel for head_dim ", head_dim);
   }
 }
 #endif
@@ -747,7 +745,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     for (int64_t j = 0; j < q_len; ++j) items.push_back((s << 32) | j);
   }
 #if defined(__AVX512F__)
-  if (!jobs.empty()) dispatch_tiles(sh, out, q, k_cache, v_cache, tables, jobs);
+  if (!jobs.empty()) dispatch_tiles(sh.head_dim, jobs);
 #endif
   if (items.empty()) return;
   switch (q.scalar_type()) {
