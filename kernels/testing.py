@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["PagedBatch", "make_paged_batch", "contiguous_attention", "drop_out_of_window"]
+__all__ = ["PagedBatch", "make_paged_batch", "contiguous_attention", "drop_out_of_window", "poison_unread"]
 
 
 @dataclass
@@ -113,6 +113,20 @@ def make_paged_batch(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         scale=head_dim ** -0.5,
     )
+
+
+def poison_unread(batch: PagedBatch, value: float = float("nan")) -> None:
+    """Fill every pool slot no sequence may read (past each length, and the
+    blocks no table uses) with ``value``, in place."""
+    block_size = batch.pool.shape[3]
+    used = set()
+    for s, n in enumerate(batch.seq_lens.tolist()):
+        blocks = batch.block_tables[s, : -(-n // block_size)].tolist()
+        used.update(blocks)
+        if n % block_size:
+            batch.pool[:, :, blocks[-1], n % block_size:] = value
+    for b in set(range(batch.pool.shape[2])) - used:
+        batch.pool[:, :, b] = value
 
 
 def drop_out_of_window(batch: PagedBatch, window: int) -> int:

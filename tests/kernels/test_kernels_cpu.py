@@ -9,7 +9,7 @@ import torch
 
 from executor_service.kv_pool import head_major
 from kernels import cpu_attention, cpu_build, fused_reference as FR, reference as R
-from kernels.testing import contiguous_attention, eager_attention, make_paged_batch
+from kernels.testing import contiguous_attention, eager_attention, make_paged_batch, poison_unread
 
 pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="the C++ CPU kernels did not build here")
 
@@ -125,16 +125,7 @@ def test_attention_ignores_garbage_past_each_length():
     """Slots past a sequence's length (and table padding) are never read: NaN there changes nothing."""
     batch = _batch("decode")
     want = cpu_attention.paged_attention(*batch.args())
-    used = set()
-    for s, n in enumerate(batch.seq_lens.tolist()):
-        blocks = batch.block_tables[s, : -(-n // 16)].tolist()
-        used.update(blocks)
-        last, fill = blocks[-1], n % 16
-        if fill:
-            batch.pool[:, :, last, fill:] = float("nan")
-    for b in range(batch.pool.shape[2]):
-        if b not in used:
-            batch.pool[:, :, b] = float("nan")
+    poison_unread(batch)
     torch.testing.assert_close(cpu_attention.paged_attention(*batch.args()), want)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import cpu_attention, cpu_build, reference as R
-from kernels.testing import contiguous_attention, make_paged_batch
+from kernels.testing import contiguous_attention, make_paged_batch, poison_unread
 
 pytestmark = pytest.mark.skipif(not cpu_build.available() or "avx512f" not in cpu_build.cpu_flags().split(),
                                 reason="the tile kernel is built for AVX-512 CPUs")
@@ -57,17 +57,10 @@ def test_long_context_shrinks_the_tile(monkeypatch):
     torch.testing.assert_close(tiled, walked, **TOL)
 
 
-def test_tiles_read_nothing_past_each_length_and_leave_other_rows(monkeypatch):
+def test_tiles_read_nothing_past_each_length_and_leave_other_rows():
     batch = make_paged_batch([45, 30], [45, 30], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
     want = R.paged_attention(*batch.args())
-    used = set()
-    for s, n in enumerate(batch.seq_lens.tolist()):
-        blocks = batch.block_tables[s, : -(-n // 16)].tolist()
-        used.update(blocks)
-        if n % 16:
-            batch.pool[:, :, blocks[-1], n % 16:] = float("nan")
-    for b in set(range(batch.pool.shape[2])) - used:
-        batch.pool[:, :, b] = float("nan")
+    poison_unread(batch)
     out = torch.full_like(batch.q, 7.0)
     plan = cpu_attention.CpuAttentionPlan(in_place_seqs=torch.tensor([1]))  # only the second sequence
     cpu_attention.paged_attention(*batch.args(), out=out, plan=plan)
