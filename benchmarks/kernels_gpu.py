@@ -128,7 +128,7 @@ def _paged_decode_inputs(case: DecodeCase, gen: torch.Generator, dev: str):
 
 def bench_decode(case: DecodeCase, gen: torch.Generator, dev: str = "cuda") -> Dict:
     """dev/gen other than CUDA only for CPU smoke tests of this script."""
-    import kernels
+    import kvpager_kernels as kernels
 
     pool, q, k_cache, v_cache, tables, seq_lens, qsl, k_c, v_c = _paged_decode_inputs(case, gen, dev)
     scale = case.head_dim ** -0.5
@@ -159,7 +159,7 @@ def bench_decode(case: DecodeCase, gen: torch.Generator, dev: str = "cuda") -> D
 
 def bench_prefill(batch: int, prompt: int, prefix: int, gen: torch.Generator, block_size: int = 16,
                   dev: str = "cuda", num_heads: int = NUM_HEADS, head_dim: int = HEAD_DIM) -> Dict:
-    import kernels
+    import kvpager_kernels as kernels
 
     context = prefix + prompt
     per_seq = -(-context // block_size)

@@ -21,7 +21,7 @@ ATTN_IMPLEMENTATION = "kvpager_paged"
 
 @dataclass(frozen=True, slots=True)
 class KernelBackend:
-    """The four paged-cache kernels, all with ``kernels.reference`` signatures."""
+    """The four paged-cache kernels, all with ``kvpager_kernels.reference`` signatures."""
 
     name: str  # "torch" | "cpu" | "triton"
     store_kv: Callable
@@ -35,18 +35,18 @@ class KernelBackend:
 def load_backend(name: str) -> KernelBackend:
     """``torch`` = vectorised pure-torch reference; ``cpu`` = the reference
     with attention computed in place by the C++ CPU kernel
-    (``kernels.cpu_attention``); ``triton`` = the Triton launchers (CUDA, or
+    (``kvpager_kernels.cpu_attention``); ``triton`` = the Triton launchers (CUDA, or
     CPU under ``TRITON_INTERPRET=1``)."""
     ops = ("store_kv", "paged_attention", "copy_blocks", "copy_blocks_all_layers")
     if name == "torch":
-        mod = importlib.import_module("kernels.reference")
+        mod = importlib.import_module("kvpager_kernels.reference")
     elif name == "triton":
-        mod = importlib.import_module("kernels")
+        mod = importlib.import_module("kvpager_kernels")
     elif name == "cpu":
-        cpu = importlib.import_module("kernels.cpu_attention")
+        cpu = importlib.import_module("kvpager_kernels.cpu_attention")
         if not cpu.available():
             raise ValueError("the cpu attention backend did not build (see the log); use 'torch'")
-        ref = importlib.import_module("kernels.reference")
+        ref = importlib.import_module("kvpager_kernels.reference")
         fns = {f: getattr(ref, f) for f in ops}
         fns["paged_attention"] = cpu.paged_attention
         return KernelBackend(name=name, plan_attention=cpu.plan_attention, **fns)

@@ -82,8 +82,8 @@ def graphs_apply(device: torch.device, backend_name: str, model_impl: str, enfor
 
 
 def triton_interpreted() -> bool:
-    from kernels._jit import is_interpreted
-    from kernels.triton_store_kv import _store_kv_kernel
+    from kvpager_kernels._jit import is_interpreted
+    from kvpager_kernels.triton_store_kv import _store_kv_kernel
 
     return is_interpreted(_store_kv_kernel)
 

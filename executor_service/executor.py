@@ -84,7 +84,7 @@ def _backend_name(requested: str, device: torch.device) -> str:
         return requested
     if device.type == "cuda":
         return "triton"
-    from kernels import cpu_attention
+    from kvpager_kernels import cpu_attention
 
     return "cpu" if cpu_attention.available() else "torch"
 

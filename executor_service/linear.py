@@ -8,8 +8,8 @@ AVX-512 core idle there), for bf16 oneDNN's AVX512-BF16 / AMX kernels where
 the CPU has them (``packable``), and on a CPU without bf16 instructions a
 packed fp32 copy of a bf16 weight (``upcast_bf16``). On CUDA and where oneDNN
 is missing, plain ``F.linear``. Steps of at most
-``kernels.packed_gemm.MAX_ROWS`` rows (decodes) read the same packed buffer
-with our own kernel where it has proved it can (``kernels.packed_gemm``).
+``kvpager_kernels.packed_gemm.MAX_ROWS`` rows (decodes) read the same packed buffer
+with our own kernel where it has proved it can (``kvpager_kernels.packed_gemm``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import packed_gemm
+from kvpager_kernels import packed_gemm
 
 PACKABLE = (torch.float32, torch.bfloat16)
 

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SERVICES = ("memory_service", "executor_service", "gateway")
-PRODUCT = ("kvpager", "kernels", *SERVICES)
+PRODUCT = ("kvpager", "kvpager_kernels", *SERVICES)
 TOOLING = "kvpager_tools"
 TEST_ONLY = ("pytest", "hypothesis", "grpc_tools", "openai", "playwright")
 # The memory service's gRPC layer; everything else in it is the core (pure Python, no grpc).
@@ -55,7 +55,7 @@ def violations() -> list[str]:
                     bad.append(f"{where}: a test-only package")
                 if package in SERVICES and t in SERVICES and t != package:
                     bad.append(f"{where}: a service never imports another service's package")
-                if package in ("kvpager", "kernels") and t in SERVICES:
+                if package in ("kvpager", "kvpager_kernels") and t in SERVICES:
                     bad.append(f"{where}: the plumbing and the kernels import no service")
                 if package == "memory_service" and rel not in MEMORY_WIRE and (
                         t == "grpc" or t.startswith("grpc_") or name.startswith("kvpager.v1")):

@@ -81,12 +81,12 @@ class Rope:
 
 class LayerOps:
     """The elementwise steps of a layer: the C++ fused kernels with the C++
-    attention backend (``kernels/cpu/fused.cpp``), else their torch
-    references (``kernels.fused_reference``, transformers' own ops) with the
+    attention backend (``kvpager_kernels/cpu/fused.cpp``), else their torch
+    references (``kvpager_kernels.fused_reference``, transformers' own ops) with the
     backend's store_kv."""
 
     def __init__(self, backend: KernelBackend) -> None:
-        from kernels import fused_reference
+        from kvpager_kernels import fused_reference
 
         self.backend = backend
         self.fused = backend.name == "cpu"

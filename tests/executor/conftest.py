@@ -84,7 +84,7 @@ def serve(checkpoints, loop_thread):
         key = (name, backend, tuple(sorted(overrides.items())))
         if key not in running:
             if backend == "triton" and not triton_available():
-                pytest.skip("kernels.paged_attention (Triton) is not available")
+                pytest.skip("kvpager_kernels.paged_attention (Triton) is not available")
             cfg = dict(model=checkpoints(name), executor_id=f"{name}-{backend}", num_blocks=NUM_BLOCKS,
                        block_size=BLOCK_SIZE, swap_blocks=SWAP_BLOCKS, attention_backend=backend, device="cpu",
                        dtype="float32")

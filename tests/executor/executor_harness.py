@@ -39,7 +39,7 @@ WINDOW = 16
 
 def triton_available() -> bool:
     try:
-        import kernels
+        import kvpager_kernels as kernels
 
         kernels.paged_attention  # noqa: B018 - resolving imports the launcher
         kernels.store_kv  # noqa: B018

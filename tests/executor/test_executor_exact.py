@@ -22,7 +22,7 @@ ENGINES = {"kvpager-cpu": ("cpu", "kvpager"), "transformers-torch": ("torch", "t
 def serve_engine(request, serve):
     backend, impl = ENGINES[request.param]
     if backend == "cpu":
-        from kernels import cpu_attention
+        from kvpager_kernels import cpu_attention
 
         if not cpu_attention.available():
             pytest.skip("the C++ CPU attention kernel did not build here")
@@ -220,7 +220,7 @@ def test_triton_interpreter_fork_and_prefix(serve, oracle):
 def test_the_mlp_in_row_blocks_matches_generate(serve, oracle, ckpt, monkeypatch):
     """Our forward's MLP split into row blocks (every row its own block here;
     executor_service.models.llama.MLP_BLOCK_ELEMS) changes no token."""
-    from kernels import cpu_attention
+    from kvpager_kernels import cpu_attention
     from executor_service.models import llama
 
     if not cpu_attention.available():

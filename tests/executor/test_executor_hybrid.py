@@ -21,7 +21,7 @@ BLOCKS = 192
 def hybrid(serve):
     def get(name: str, backend: str = "cpu"):
         if backend == "cpu":
-            from kernels import cpu_attention
+            from kvpager_kernels import cpu_attention
 
             if not cpu_attention.available():
                 pytest.skip("the C++ CPU attention kernel did not build here")

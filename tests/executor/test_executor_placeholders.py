@@ -105,6 +105,6 @@ def test_placeholder_only_as_a_decode_token(serve):
 
 
 def _cpu() -> bool:
-    from kernels import cpu_build
+    from kvpager_kernels import cpu_build
 
     return cpu_build.available()

@@ -21,7 +21,7 @@ ENGINES = {"cpu": ("cpu", "auto"), "torch": ("torch", "transformers")}
 def serve_engine(request, serve):
     backend, impl = ENGINES[request.param]
     if backend == "cpu":
-        from kernels import cpu_attention
+        from kvpager_kernels import cpu_attention
 
         if not cpu_attention.available():
             pytest.skip("the C++ CPU attention kernel did not build here")

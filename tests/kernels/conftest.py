@@ -22,8 +22,8 @@ def device() -> str:
 
 
 def compiled_on_cuda() -> bool:
-    from kernels._jit import is_interpreted
-    from kernels.triton_store_kv import _store_kv_kernel
+    from kvpager_kernels._jit import is_interpreted
+    from kvpager_kernels.triton_store_kv import _store_kv_kernel
 
     return torch.cuda.is_available() and not is_interpreted(_store_kv_kernel)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_build
+from kvpager_kernels import cpu_build
 
 pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="the C++ CPU kernels do not build here")
 
@@ -26,7 +26,7 @@ def build_dir() -> Path:
 
 
 def load_in_new_process(wait_s: float, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    code = ("import sys; from kernels import cpu_build; "
+    code = ("import sys; from kvpager_kernels import cpu_build; "
             f"cpu_build.BUILD_WAIT_S = {wait_s}; print(cpu_build.available())")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout_s)

@@ -1,4 +1,4 @@
-"""Triton paged_attention against kernels.reference (and, once, against the
+"""Triton paged_attention against kvpager_kernels.reference (and, once, against the
 independent contiguous SDPA computation).
 
 Interpreter cost is roughly per KV-tile iteration, so contexts stay < ~150
@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
+import kvpager_kernels as kernels
 from executor_service.kv_pool import head_major
-from kernels import reference as R
-from kernels.testing import contiguous_attention, make_paged_batch
-from kernels.triton_paged_attention import decode_partition_size, paged_attention_impl
+from kvpager_kernels import reference as R
+from kvpager_kernels.testing import contiguous_attention, make_paged_batch
+from kvpager_kernels.triton_paged_attention import decode_partition_size, paged_attention_impl
 
 MIXES = {
     # name: (seq_lens, q_lens)

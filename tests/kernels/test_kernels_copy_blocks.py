@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import kernels
+import kvpager_kernels as kernels
 from executor_service.kv_pool import head_major
-from kernels import reference as R
+from kvpager_kernels import reference as R
 
 PAIRS = ([1, 4, 0], [6, 2, 7])  # dst distinct and disjoint from src
 

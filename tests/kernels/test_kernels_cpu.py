@@ -1,6 +1,6 @@
-"""The C++ CPU kernels (``kernels/cpu``) against their torch references:
-paged attention against ``kernels.reference`` (and the independent
-contiguous SDPA; in 16-bit dtypes also transformers' eager attention), the fused layer steps against ``kernels.fused_reference``."""
+"""The C++ CPU kernels (``kvpager_kernels/cpu``) against their torch references:
+paged attention against ``kvpager_kernels.reference`` (and the independent
+contiguous SDPA; in 16-bit dtypes also transformers' eager attention), the fused layer steps against ``kvpager_kernels.fused_reference``."""
 
 import dataclasses
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from executor_service.kv_pool import head_major
-from kernels import cpu_attention, cpu_build, fused_reference as FR, reference as R
-from kernels.testing import contiguous_attention, eager_attention, make_paged_batch, poison_unread
+from kvpager_kernels import cpu_attention, cpu_build, fused_reference as FR, reference as R
+from kvpager_kernels.testing import contiguous_attention, eager_attention, make_paged_batch, poison_unread
 
 pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="the C++ CPU kernels did not build here")
 

@@ -1,11 +1,11 @@
-"""fp32 prefill chunks attended in tiles (kernels/cpu/attention_tiles.h)
-against the per-query walk of the same C++ kernel and kernels.reference."""
+"""fp32 prefill chunks attended in tiles (kvpager_kernels/cpu/attention_tiles.h)
+against the per-query walk of the same C++ kernel and kvpager_kernels.reference."""
 
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_build, reference as R
-from kernels.testing import contiguous_attention, make_paged_batch, poison_unread
+from kvpager_kernels import cpu_attention, cpu_build, reference as R
+from kvpager_kernels.testing import contiguous_attention, make_paged_batch, poison_unread
 
 pytestmark = pytest.mark.skipif(not cpu_build.available() or "avx512f" not in cpu_build.cpu_flags().split(),
                                 reason="the tile kernel is built for AVX-512 CPUs")

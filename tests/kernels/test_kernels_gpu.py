@@ -8,18 +8,18 @@ tests/kernels -m gpu`` on a CUDA machine; otherwise they skip.
 import pytest
 import torch
 
-import kernels
-from kernels import reference as R
-from kernels.testing import contiguous_attention, make_paged_batch
-from kernels.triton_paged_attention import paged_attention_impl
+import kvpager_kernels as kernels
+from kvpager_kernels import reference as R
+from kvpager_kernels.testing import contiguous_attention, make_paged_batch
+from kvpager_kernels.triton_paged_attention import paged_attention_impl
 
 
 
 def _compiled_on_cuda() -> bool:
     if not torch.cuda.is_available():
         return False
-    from kernels._jit import is_interpreted
-    from kernels.triton_store_kv import _store_kv_kernel
+    from kvpager_kernels._jit import is_interpreted
+    from kvpager_kernels.triton_store_kv import _store_kv_kernel
 
     return not is_interpreted(_store_kv_kernel)
 

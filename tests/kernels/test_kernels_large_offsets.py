@@ -13,10 +13,10 @@ would wrap negative and read or write the wrong address (or segfault).
 import pytest
 import torch
 
-import kernels
-from kernels import reference as R
-from kernels.testing import make_paged_batch
-from kernels.triton_paged_attention import paged_attention_impl
+import kvpager_kernels as kernels
+from kvpager_kernels import reference as R
+from kvpager_kernels.testing import make_paged_batch
+from kvpager_kernels.triton_paged_attention import paged_attention_impl
 
 BLOCK_SIZE, KV_HEADS, HEAD_DIM = 16, 1, 64
 NUM_BLOCKS = 2**21 + 64  # block stride 1024 elements: top blocks start past 2**31

@@ -1,4 +1,4 @@
-"""The small-row matmul on oneDNN-packed weights (``kernels/cpu/packed_gemm.cpp``)
+"""The small-row matmul on oneDNN-packed weights (``kvpager_kernels/cpu/packed_gemm.cpp``)
 against ``F.linear`` on the plain weight, and the checks that keep it off
 weights it cannot read."""
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_service.linear import Linear, packable
-from kernels import cpu_build, packed_gemm
+from kvpager_kernels import cpu_build, packed_gemm
 
 pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="the C++ CPU kernels did not build here")
 

@@ -1,12 +1,12 @@
-"""kernels.reference against independent computations (plain torch only)."""
+"""kvpager_kernels.reference against independent computations (plain torch only)."""
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import reference as R
-from kernels.testing import contiguous_attention, make_paged_batch
+from kvpager_kernels import reference as R
+from kvpager_kernels.testing import contiguous_attention, make_paged_batch
 
 MIXES = {
     "prefill": ([37], [37]),

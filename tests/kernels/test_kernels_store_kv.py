@@ -1,13 +1,13 @@
-"""Triton store_kv against kernels.reference.store_kv."""
+"""Triton store_kv against kvpager_kernels.reference.store_kv."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
+import kvpager_kernels as kernels
 from executor_service.kv_pool import head_major
-from kernels import reference as R
+from kvpager_kernels import reference as R
 
 
 def _pool(dtype, device, num_blocks=6, block_size=8, kv_heads=2, head_dim=16, layers=2, seed=0):

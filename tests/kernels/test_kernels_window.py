@@ -1,6 +1,6 @@
 """Sliding-window attention and logit soft-capping in every paged-attention
 path: the torch reference against the independent per-token computation
-(``kernels.testing.contiguous_attention``), the C++ CPU kernel and the Triton
+(``kvpager_kernels.testing.contiguous_attention``), the C++ CPU kernel and the Triton
 kernel against the reference. Blocks wholly before every query's window are
 dropped from the tables (-1) and filled with NaN, as the sliding-window
 block manager leaves them: no path may read one."""
@@ -8,9 +8,9 @@ block manager leaves them: no path may read one."""
 import pytest
 import torch
 
-from kernels import cpu_attention, cpu_build
-from kernels import reference as R
-from kernels.testing import contiguous_attention, drop_out_of_window, eager_attention, make_paged_batch
+from kvpager_kernels import cpu_attention, cpu_build
+from kvpager_kernels import reference as R
+from kvpager_kernels.testing import contiguous_attention, drop_out_of_window, eager_attention, make_paged_batch
 
 MIXES = {
     # name: (seq_lens, q_lens)
@@ -98,7 +98,7 @@ def test_cpu_softcap_matches_reference(window, dtype):
 
 def _triton():
     try:
-        from kernels.triton_paged_attention import paged_attention_impl
+        from kvpager_kernels.triton_paged_attention import paged_attention_impl
         return paged_attention_impl
     except Exception:  # noqa: BLE001 - no triton here
         pytest.skip("triton is not available")

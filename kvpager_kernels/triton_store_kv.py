@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import next_pow2
-from kernels.checks import check_cache_pair, check_float_dtype
+from kvpager_kernels._jit import next_pow2
+from kvpager_kernels.checks import check_cache_pair, check_float_dtype
 
 __all__ = ["store_kv"]
 

@@ -1,6 +1,6 @@
 """Compile every kernel for an NVIDIA target on a machine without a GPU.
 
-    TRITON_INTERPRET=0 python -m kernels.aot_check [--arch 90]
+    TRITON_INTERPRET=0 python -m kvpager_kernels.aot_check [--arch 90]
 
 The interpreter is lenient where the compiler is not (loop-carried types,
 tl.dot shape limits, specialisation of int arguments equal to 1, shared
@@ -75,9 +75,9 @@ def _resource_usage(cubin: bytes) -> Dict[str, int]:
 
 def _cases():
     """(description, thunk) pairs that call the public launchers once each."""
-    import kernels
-    from kernels.testing import make_paged_batch
-    from kernels.triton_paged_attention import paged_attention_impl
+    import kvpager_kernels as kernels
+    from kvpager_kernels.testing import make_paged_batch
+    from kvpager_kernels.triton_paged_attention import paged_attention_impl
 
     def attention(dtype, head_dim, heads, block_size, decode):
         q_lens = [1, 1] if decode else [30, 1]
@@ -114,8 +114,8 @@ def main(argv=None) -> int:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from kernels._jit import is_interpreted
-    from kernels.triton_store_kv import _store_kv_kernel
+    from kvpager_kernels._jit import is_interpreted
+    from kvpager_kernels.triton_store_kv import _store_kv_kernel
 
     if is_interpreted(_store_kv_kernel):
         print("aot_check: triton was imported in interpreter mode; run with TRITON_INTERPRET=0", file=sys.stderr)

@@ -4,7 +4,7 @@
 // store, SiLU-and-multiply. Rounding follows the unfused torch ops
 // (transformers' Llama code): fp32 math, and for 16-bit dtypes a rounding to
 // the dtype wherever torch would store an intermediate tensor, so results
-// match the reference (`kernels/fused_reference.py`) bit for bit in the
+// match the reference (`kvpager_kernels/fused_reference.py`) bit for bit in the
 // elementwise parts; only the order of the RMSNorm sum differs.
 //
 // Built with -ffp-contract=off: a fused multiply-add would round differently

@@ -17,7 +17,7 @@
 // The layouts it reads are oneDNN's avx512_core choices for a [N, K] weight:
 //   fp32 AB16b64a   = [N / 64][K][64]
 //   bf16 AB16b64a2b = [N / 64][K / 2][64][2]   (pairs of k for vdpbf16ps)
-// The packed tensor is opaque; the Python side (kernels/packed_gemm.py)
+// The packed tensor is opaque; the Python side (kvpager_kernels/packed_gemm.py)
 // checks its size here and its layout by a probe against oneDNN's own
 // product before using this kernel, and keeps oneDNN wherever either fails.
 

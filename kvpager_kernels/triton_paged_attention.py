@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import is_interpreted, next_pow2
-from kernels.checks import check_cache_pair, check_float_dtype, check_index
+from kvpager_kernels._jit import is_interpreted, next_pow2
+from kvpager_kernels.checks import check_cache_pair, check_float_dtype, check_index
 
 __all__ = ["paged_attention", "paged_attention_impl", "decode_partition_size"]
 
@@ -472,7 +472,7 @@ def paged_attention(
     Decode-only batches (one query per sequence) use flash-decoding; any
     other mix (prefill chunks with cached prefixes plus decodes) uses the
     query-tiled kernel. New tokens' K/V must already be in the cache.
-    ``window`` / ``softcap``: as ``kernels.reference.paged_attention``.
+    ``window`` / ``softcap``: as ``kvpager_kernels.reference.paged_attention``.
     """
     return paged_attention_impl(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,

@@ -1,4 +1,4 @@
-"""Pure-torch references of the fused layer kernels (``kernels/cpu/fused.cpp``),
+"""Pure-torch references of the fused layer kernels (``kvpager_kernels/cpu/fused.cpp``),
 same signatures. These are transformers' Llama ops as written there, so the
 executor's own model computes exactly what transformers computes when it
 runs them (the ``torch`` backend, CUDA)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kvpager_kernels import reference
 
 __all__ = ["rms_norm", "add_rms_norm", "rope", "rope_store_kv", "silu_mul"]
 

@@ -11,8 +11,8 @@
 // tokens) go to attention_tiles.h instead: up to 16 tokens x the group at
 // once, as small matrix products; decodes are walked here.
 //
-// Registered as torch.ops.kvpager_cpu.paged_attention (see kernels/cpu_attention.py,
-// which decides which sequences come here; kernels/reference.py is the reference).
+// Registered as torch.ops.kvpager_cpu.paged_attention (see kvpager_kernels/cpu_attention.py,
+// which decides which sequences come here; kvpager_kernels/reference.py is the reference).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

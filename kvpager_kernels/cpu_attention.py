@@ -1,7 +1,7 @@
 """CPU paged attention that reads K/V in place (the executor's "cpu" backend).
 
-Same signatures as ``kernels.reference``. Sequences with short queries
-(decodes, small chunks) go to a C++ kernel (``kernels/cpu/paged_attention.cpp``)
+Same signatures as ``kvpager_kernels.reference``. Sequences with short queries
+(decodes, small chunks) go to a C++ kernel (``kvpager_kernels/cpu/paged_attention.cpp``)
 that walks each block table (scores, softmax, weighted values; in a 16-bit
 dtype rounded where transformers' eager attention rounds): no gathered copy
 of the context per layer and step. So do prefill chunks small enough that the
@@ -14,7 +14,7 @@ past the budget keep the reference's path (one sequence's context gathered once,
 ``scaled_dot_product_attention``'s flash kernel), in the model's dtype rather
 than the reference's fp32 (bf16 SDPA runs on AMX tiles where there are any).
 
-The C++ is built on first use (``kernels.cpu_build``); ``available()`` says
+The C++ is built on first use (``kvpager_kernels.cpu_build``); ``available()`` says
 whether it did. Without a compiler the executor uses the torch reference.
 """
 
@@ -25,12 +25,12 @@ from typing import Optional
 
 import torch
 
-from kernels import cpu_build, reference
+from kvpager_kernels import cpu_build, reference
 
 # Queries up to this long per sequence always use the in-place kernel.
 SHORT_QUERY = 16
 # fp32 chunks of at least this many queries are attended in tiles
-# (kernels/cpu/attention_tiles.h: many tokens x the GQA group per K/V row
+# (kvpager_kernels/cpu/attention_tiles.h: many tokens x the GQA group per K/V row
 # read; a 0.5B prefill's attention 28 -> ~18 ms a layer on the AVX-512 EPYC,
 # docs/benchmarks.md); decodes walk their one query. 0: never.
 TILE_MIN_QUERY = 2
@@ -55,7 +55,7 @@ def in_place_pairs(dtype: torch.dtype | None, amx: bool | None = None) -> int:
 
 
 def available() -> bool:
-    """Whether the C++ CPU kernels built and loaded (``kernels.cpu_build``)."""
+    """Whether the C++ CPU kernels built and loaded (``kvpager_kernels.cpu_build``)."""
     return cpu_build.available()
 
 
@@ -99,7 +99,7 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """``kernels.reference.paged_attention`` computed in place (see the module
+    """``kvpager_kernels.reference.paged_attention`` computed in place (see the module
     docstring), with the same sliding ``window`` and ``softcap``.
     q: [T, H, D] -> [T, H, D] in q.dtype."""
     if out is None:

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_cache_pair, check_float_dtype, check_index
+from kvpager_kernels.checks import check_cache_pair, check_float_dtype, check_index
 
 __all__ = ["copy_blocks", "copy_blocks_all_layers"]
 

@@ -1,4 +1,4 @@
-"""Decode-size matmuls on weights oneDNN has packed (``kernels/cpu/packed_gemm.cpp``).
+"""Decode-size matmuls on weights oneDNN has packed (``kvpager_kernels/cpu/packed_gemm.cpp``).
 
 ``executor_service.linear.Linear`` keeps each CPU weight only in oneDNN's
 blocked layout. For a step of at most ``MAX_ROWS`` rows it calls this
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
+from kvpager_kernels import cpu_build
 
 # Rows up to which the kernel beats oneDNN (32-row decode steps; at 64 the
 # two were level in fp32).

@@ -1,4 +1,4 @@
-"""Builds and loads the C++ CPU kernels (``kernels/cpu/*.cpp``) as
+"""Builds and loads the C++ CPU kernels (``kvpager_kernels/cpu/*.cpp``) as
 ``torch.ops.kvpager_cpu``.
 
 Compiled on first use with the machine's own instruction set
@@ -6,7 +6,7 @@ Compiled on first use with the machine's own instruction set
 half a minute on a 2-core machine, once per machine and source version).
 ``available()`` says whether the ops loaded; ``KVPAGER_CPU_KERNELS=0`` turns
 them off. Where they are missing the executor runs the torch references
-(``kernels.reference``, ``kernels.fused_reference``).
+(``kvpager_kernels.reference``, ``kvpager_kernels.fused_reference``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def cpu_flags() -> str:
 @functools.cache
 def has_amx() -> bool:
     """Whether the CPU has AMX tiles for bf16 (oneDNN's 16-bit matmuls and
-    SDPA run on them; ``kernels.cpu_attention`` picks its crossover by it,
+    SDPA run on them; ``kvpager_kernels.cpu_attention`` picks its crossover by it,
     every step: read once)."""
     return "amx_bf16" in cpu_flags().split()
 
