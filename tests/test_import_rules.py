@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
+import tomllib
+from importlib.metadata import packages_distributions
 
 import pytest
 
@@ -87,3 +90,27 @@ def test_product_modules_are_small(package):
         if lines > 420:
             doc = ast.get_docstring(ast.parse(text)) or ""
             assert "one concept" in doc.lower(), f"{rel}: {lines} lines and no 'one concept' in its docstring"
+
+
+def test_the_packaged_top_levels_are_the_map():
+    """What pyproject ships is exactly the product and the tooling."""
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert sorted(p.rstrip("*") for p in found["include"]) == sorted((*PRODUCT, TOOLING))
+
+
+def test_no_top_level_package_of_ours_is_another_distributions_import_name():
+    """Our top-level packages sit in site-packages beside everything else a
+    user installs: a name another installed distribution provides would
+    shadow it, or be overwritten by it. ``kernels`` did: transformers 5.25
+    depends on Hugging Face's ``kernels`` and imports it by that name."""
+    owners = packages_distributions()
+    clashes = {name: sorted(set(owners.get(name, ())) - {"kvpager"}) for name in (*PRODUCT, TOOLING)}
+    assert {name: d for name, d in clashes.items() if d} == {}
+    # the check reads real metadata: transformers' own top level is known to it
+    assert "transformers" in owners.get("transformers", ())
+
+
+def test_the_image_copies_every_packaged_top_level():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", dockerfile, flags=re.M))
+    assert copied == {*PRODUCT, TOOLING}
