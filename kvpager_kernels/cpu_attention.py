@@ -29,7 +29,7 @@ from kvpager_kernels import cpu_build, reference
 
 # Queries up to this long per sequence always use the in-place kernel.
 SHORT_QUERY = 16
-# fp32 chunks of at least this many queries are attended in tiles
+# fp32 and bf16 chunks of at least this many queries are attended in tiles
 # (kvpager_kernels/cpu/attention_tiles.h: many tokens x the GQA group per K/V row
 # read; a 0.5B prefill's attention 28 -> ~18 ms a layer on the AVX-512 EPYC,
 # docs/benchmarks.md); decodes walk their one query. 0: never.

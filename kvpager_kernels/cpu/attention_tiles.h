@@ -1,5 +1,5 @@
-// Prefill attention in tiles (fp32, AVX-512): many query tokens of one
-// sequence against one kv head at once, as small matrix products.
+// Prefill attention in tiles (fp32 and bf16, AVX-512): many query tokens of
+// one sequence against one kv head at once, as small matrix products.
 //
 // The per-token walk in paged_attention.cpp computes each query's scores as
 // dot products (a 16-lane multiply-add chain and a transpose-and-add
@@ -18,6 +18,11 @@
 // scores differ in summation order only (along D in one chain, not in 16
 // lanes reduced by a tree), so outputs agree to a few ulp.
 //
+// bf16 (T = c10::BFloat16): the same tiles in fp32 (K rows converted a block
+// at a time, V once a tile), rounded where the walk rounds, which is where
+// transformers' eager attention rounds: q.k to bf16, times the scale to bf16,
+// the softmax's probabilities to bf16, the output once.
+//
 // On the 0.5B Llama's shapes (a 4,544-token prefill of 32 prompts, one
 // layer, 2 threads on the AVX-512 EPYC) the attention took 28 ms walked per
 // token and ~18 ms in tiles (docs/benchmarks.md).
@@ -29,7 +34,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include <c10/util/BFloat16.h>
 
 #include "vec.h"
 
@@ -47,22 +55,51 @@ inline int64_t tile_tokens(int64_t group, int64_t context) {
   return std::clamp<int64_t>(rows / std::max<int64_t>(group, 1), 1, kTileMaxTokens);
 }
 
+// Sixteen fp32 rounded to bf16, as fp32. With AVX512-BF16 one conversion
+// instruction (it flushes subnormal results to zero, where c10 keeps them:
+// a score or probability under 1e-38 weighs nothing in a sum of values);
+// else vec.h's integer form.
+inline __m512 round_bf16x16(__m512 x) {
+#if defined(__AVX512BF16__)
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+  return bf16x16_round(x);
+#endif
+}
+
+// Sixteen elements as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// n rows of D elements, `stride` apart, as contiguous fp32 rows in `dst`.
+template <int C, typename T>
+inline void rows_f32(const T* src, int64_t stride, int64_t n, float* dst) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(dst + t * 16 * C + 16 * c, load16(src + t * stride + 16 * c));
+}
+
 struct TileScratch {
   std::vector<float> qt, st;       // QT [D][rp], ST [L][rp]
+  std::vector<float> kf, vf, of;   // bf16 only: K of a block [BS][D], V [L][D], out rows [RR][D]
   std::vector<int32_t> pos;        // [rp] each row's position (padding: the last row's)
-  std::vector<const float*> rows;  // [R] each row's query vector
+  std::vector<const void*> rows;   // [R] each row's query vector (a const T*)
 };
 
 // One tile: the query tokens [0, count) at q rows q0 + t, positions pos0 + t,
 // against kv head kvh of a sequence whose block table is `table`.
+template <typename T>
 struct TileJob {
-  const float* q;
+  const T* q;
   int64_t q_s0, q_s1;
-  const float* k;
+  const T* k;
   int64_t k_s0, k_s1, k_s2;
-  const float* v;
+  const T* v;
   int64_t v_s0, v_s1, v_s2;
-  float* out;
+  T* out;
   int64_t o_s0, o_s1;
   const int32_t* table;
   int64_t block_size, group;
@@ -98,7 +135,8 @@ inline void transpose16(__m512 r[16]) {
 
 // st[i][16j..] = (K[key_i] . QT[.][16j..]) * scale for NK keys and J vectors
 // of rows (NK * J accumulators; 6 x 4 leaves room for the operands).
-template <int NK, int J>
+// R16: rounded as bf16 (the product, then the scaled score).
+template <int NK, int J, bool R16>
 inline void tile_scores(const float* __restrict qt, int64_t rp, const float* const* krow, int64_t d_len,
                         float* __restrict st, float scale) {
   __m512 acc[NK][J];
@@ -114,20 +152,25 @@ inline void tile_scores(const float* __restrict qt, int64_t rp, const float* con
   }
   const __m512 sc = _mm512_set1_ps(scale);
   for (int i = 0; i < NK; ++i)
-    for (int j = 0; j < J; ++j) _mm512_storeu_ps(st + i * rp + 16 * j, _mm512_mul_ps(acc[i][j], sc));
+    for (int j = 0; j < J; ++j) {
+      if constexpr (R16)
+        _mm512_storeu_ps(st + i * rp + 16 * j, round_bf16x16(_mm512_mul_ps(round_bf16x16(acc[i][j]), sc)));
+      else
+        _mm512_storeu_ps(st + i * rp + 16 * j, _mm512_mul_ps(acc[i][j], sc));
+    }
 }
 
 // NK keys against every row vector, four vectors at a time.
-template <int NK>
+template <int NK, bool R16>
 inline void tile_scores_keys(const float* qt, int64_t rp, const float* const* krow, int64_t d_len, float* st,
                              float scale) {
   const int64_t nv = rp / 16;
   int64_t j = 0;
-  for (; j + 4 <= nv; j += 4) tile_scores<NK, 4>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
+  for (; j + 4 <= nv; j += 4) tile_scores<NK, 4, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
   switch (nv - j) {
-    case 3: return tile_scores<NK, 3>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
-    case 2: return tile_scores<NK, 2>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
-    case 1: return tile_scores<NK, 1>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
+    case 3: return tile_scores<NK, 3, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
+    case 2: return tile_scores<NK, 2, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
+    case 1: return tile_scores<NK, 1, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
     default: return;
   }
 }
@@ -138,19 +181,39 @@ constexpr int tile_value_rows() {
   return C >= 16 ? 1 : std::min(6, 24 / C);
 }
 
+// Where a tile reads its V rows as fp32: in the pool (fp32), or in the
+// tile's converted copy (bf16: vf [L][D]).
+template <typename T>
+struct ValueRows {
+  const float* vf;  // bf16 only
+  int64_t d;
+  const float* block(const TileJob<T>& jb, int64_t b) const {
+    if constexpr (std::is_same_v<T, float>)
+      return jb.v + static_cast<int64_t>(jb.table[b]) * jb.v_s0 + jb.kvh * jb.v_s2;
+    else
+      return vf + b * jb.block_size * d;
+  }
+  int64_t row_stride(const TileJob<T>& jb) const {
+    if constexpr (std::is_same_v<T, float>)
+      return jb.v_s1;
+    else
+      return d;
+  }
+};
+
 // o[r] = sum over keys [0, n_keys) of st[key][r0 + r] * V[key] for RR rows.
-template <int C, int RR>
-inline void tile_values(const TileJob& jb, const float* __restrict st, int64_t rp, int64_t r0, int64_t n_keys,
-                        float* const* orow) {
+template <int C, int RR, typename T>
+inline void tile_values(const TileJob<T>& jb, const ValueRows<T>& vrows, const float* __restrict st, int64_t rp,
+                        int64_t r0, int64_t n_keys, float* const* orow) {
   __m512 acc[RR][C];
   for (int r = 0; r < RR; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int64_t BS = jb.block_size;
+  const int64_t BS = jb.block_size, vs1 = vrows.row_stride(jb);
   for (int64_t b = 0; b * BS < n_keys; ++b) {
-    const float* vb = jb.v + static_cast<int64_t>(jb.table[b]) * jb.v_s0 + jb.kvh * jb.v_s2;
+    const float* vb = vrows.block(jb, b);
     const int64_t n = std::min<int64_t>(BS, n_keys - b * BS);
     for (int64_t t = 0; t < n; ++t) {
-      const float* vr = vb + t * jb.v_s1;
+      const float* vr = vb + t * vs1;
       const float* p = st + (b * BS + t) * rp + r0;
       __m512 vv[C];
       for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
@@ -164,24 +227,37 @@ inline void tile_values(const TileJob& jb, const float* __restrict st, int64_t r
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(orow[r] + 16 * c, acc[r][c]);
 }
 
-template <int C, int RR>
-inline void tile_values_rest(int rest, const TileJob& jb, const float* st, int64_t rp, int64_t r0, int64_t n_keys,
-                             float* const* orow) {
+template <int C, int RR, typename T>
+inline void tile_values_rest(int rest, const TileJob<T>& jb, const ValueRows<T>& vrows, const float* st, int64_t rp,
+                             int64_t r0, int64_t n_keys, float* const* orow) {
   if constexpr (RR > 0) {
-    if (rest == RR) return tile_values<C, RR>(jb, st, rp, r0, n_keys, orow);
-    return tile_values_rest<C, RR - 1>(rest, jb, st, rp, r0, n_keys, orow);
+    if (rest == RR) return tile_values<C, RR>(jb, vrows, st, rp, r0, n_keys, orow);
+    return tile_values_rest<C, RR - 1>(rest, jb, vrows, st, rp, r0, n_keys, orow);
   }
 }
 
 // One tile, D = 16 * C. Row r is token r / group, query head kvh * group + r % group.
-template <int C>
-void attend_tile(const TileJob& jb, TileScratch& sc) {
+template <int C, typename T>
+void attend_tile(const TileJob<T>& jb, TileScratch& sc) {
   constexpr int64_t D = 16 * C;
+  constexpr bool R16 = std::is_same_v<T, c10::BFloat16>;
+  static_assert(R16 || std::is_same_v<T, float>, "tiles: fp32 or bf16");
   const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
   if (static_cast<int64_t>(sc.qt.size()) < D * rp) sc.qt.resize(D * rp);
   if (static_cast<int64_t>(sc.st.size()) < L * rp) sc.st.resize(L * rp);
   sc.pos.resize(rp);
   sc.rows.resize(R);
+  const int64_t BS = jb.block_size;
+  ValueRows<T> vrows{nullptr, D};
+  if constexpr (R16) {
+    const int64_t nb = (L + BS - 1) / BS;
+    if (static_cast<int64_t>(sc.kf.size()) < BS * D) sc.kf.resize(BS * D);
+    if (static_cast<int64_t>(sc.vf.size()) < nb * BS * D) sc.vf.resize(nb * BS * D);
+    for (int64_t b = 0; b < nb; ++b)
+      rows_f32<C>(jb.v + static_cast<int64_t>(jb.table[b]) * jb.v_s0 + jb.kvh * jb.v_s2, jb.v_s1,
+                  std::min<int64_t>(BS, L - b * BS), sc.vf.data() + b * BS * D);
+    vrows.vf = sc.vf.data();
+  }
   float* qt = sc.qt.data();
   float* st = sc.st.data();
   for (int64_t r = 0; r < R; ++r) {
@@ -195,31 +271,38 @@ void attend_tile(const TileJob& jb, TileScratch& sc) {
       __m512 blk[16];
       for (int i = 0; i < 16; ++i) {
         const int64_t r = 16 * j + i;
-        blk[i] = r < R ? _mm512_loadu_ps(sc.rows[r] + 16 * c) : _mm512_setzero_ps();
+        blk[i] = r < R ? load16(static_cast<const T*>(sc.rows[r]) + 16 * c) : _mm512_setzero_ps();
       }
       transpose16(blk);
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(qt + (16 * c + i) * rp + 16 * j, blk[i]);
     }
 
   // Scores, block by block of the table, six keys a step.
-  const int64_t BS = jb.block_size;
   const float* krow[6];
   for (int64_t b = 0; b * BS < L; ++b) {
-    const float* kb = jb.k + static_cast<int64_t>(jb.table[b]) * jb.k_s0 + jb.kvh * jb.k_s2;
+    const T* kp = jb.k + static_cast<int64_t>(jb.table[b]) * jb.k_s0 + jb.kvh * jb.k_s2;
     const int64_t n = std::min<int64_t>(BS, L - b * BS);
+    const float* kb;
+    int64_t ks;
+    if constexpr (R16) {
+      rows_f32<C>(kp, jb.k_s1, n, sc.kf.data());
+      kb = sc.kf.data(), ks = D;
+    } else {
+      kb = kp, ks = jb.k_s1;
+    }
     int64_t t = 0;
     for (; t + 6 <= n; t += 6) {
-      for (int i = 0; i < 6; ++i) krow[i] = kb + (t + i) * jb.k_s1;
-      tile_scores_keys<6>(qt, rp, krow, D, st + (b * BS + t) * rp, jb.scale);
+      for (int i = 0; i < 6; ++i) krow[i] = kb + (t + i) * ks;
+      tile_scores_keys<6, R16>(qt, rp, krow, D, st + (b * BS + t) * rp, jb.scale);
     }
-    for (int i = 0; i < n - t; ++i) krow[i] = kb + (t + i) * jb.k_s1;
+    for (int i = 0; i < n - t; ++i) krow[i] = kb + (t + i) * ks;
     float* s = st + (b * BS + t) * rp;
     switch (n - t) {
-      case 5: tile_scores_keys<5>(qt, rp, krow, D, s, jb.scale); break;
-      case 4: tile_scores_keys<4>(qt, rp, krow, D, s, jb.scale); break;
-      case 3: tile_scores_keys<3>(qt, rp, krow, D, s, jb.scale); break;
-      case 2: tile_scores_keys<2>(qt, rp, krow, D, s, jb.scale); break;
-      case 1: tile_scores_keys<1>(qt, rp, krow, D, s, jb.scale); break;
+      case 5: tile_scores_keys<5, R16>(qt, rp, krow, D, s, jb.scale); break;
+      case 4: tile_scores_keys<4, R16>(qt, rp, krow, D, s, jb.scale); break;
+      case 3: tile_scores_keys<3, R16>(qt, rp, krow, D, s, jb.scale); break;
+      case 2: tile_scores_keys<2, R16>(qt, rp, krow, D, s, jb.scale); break;
+      case 1: tile_scores_keys<1, R16>(qt, rp, krow, D, s, jb.scale); break;
       default: break;
     }
   }
@@ -249,20 +332,30 @@ void attend_tile(const TileJob& jb, TileScratch& sc) {
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
     for (int64_t key = 0; key < L; ++key) {
       float* s = st + key * rp + 16 * j;
-      _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_loadu_ps(s), inv));
+      const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s), inv);
+      _mm512_storeu_ps(s, R16 ? round_bf16x16(p) : p);  // softmax(..., dtype=float32).to(T)
     }
   }
 
   // Values, RR rows a step; a step reads keys up to its last row's position.
   constexpr int RR = tile_value_rows<C>();
   float* orow[RR];
+  T* dst[RR];
+  if constexpr (R16) sc.of.resize(RR * D);
   for (int64_t r0 = 0; r0 < R; r0 += RR) {
     const int rr = static_cast<int>(std::min<int64_t>(RR, R - r0));
     for (int i = 0; i < rr; ++i) {
       const int64_t r = r0 + i;
-      orow[i] = jb.out + (jb.q0 + r / G) * jb.o_s0 + (jb.kvh * G + r % G) * jb.o_s1;
+      dst[i] = jb.out + (jb.q0 + r / G) * jb.o_s0 + (jb.kvh * G + r % G) * jb.o_s1;
+      if constexpr (R16)
+        orow[i] = sc.of.data() + i * D;
+      else
+        orow[i] = dst[i];
     }
-    tile_values_rest<C, RR>(rr, jb, st, rp, r0, jb.pos0 + (r0 + rr - 1) / G + 1, orow);
+    tile_values_rest<C, RR>(rr, jb, vrows, st, rp, r0, jb.pos0 + (r0 + rr - 1) / G + 1, orow);
+    if constexpr (R16)  // the output rounded once, as the walk rounds it (c10: to nearest even)
+      for (int i = 0; i < rr; ++i)
+        for (int64_t e = 0; e < D; ++e) dst[i][e] = static_cast<c10::BFloat16>(orow[i][e]);
   }
 }
 

@@ -7,9 +7,10 @@
 // The H / KVH query heads that share a kv head are computed together: one
 // K/V row load serves the whole GQA group. In a 16-bit dtype scores and
 // probabilities are rounded where transformers' eager attention rounds them
-// (finish_scores, scale_round). fp32 prefill chunks (at least tile_min_query
-// tokens) go to attention_tiles.h instead: up to 16 tokens x the group at
-// once, as small matrix products; decodes are walked here.
+// (finish_scores, scale_round). fp32 and bf16 prefill chunks (at least
+// tile_min_query tokens) go to attention_tiles.h instead: up to 16 tokens x
+// the group at once, as small matrix products, rounded at the same points;
+// decodes (and fp16) are walked here.
 //
 // Registered as torch.ops.kvpager_cpu.paged_attention (see kvpager_kernels/cpu_attention.py,
 // which decides which sequences come here; kvpager_kernels/reference.py is the reference).
@@ -405,18 +406,7 @@ inline float as_t<float>(float x) {
 }
 
 #if defined(__AVX512F__)
-// Sixteen fp32 rounded to bf16, as fp32. With AVX512-BF16 one conversion
-// instruction (it flushes subnormal results to zero, where c10 keeps them:
-// a score or probability under 1e-38 weighs nothing in a sum of values);
-// else vec.h's integer form.
-inline __m512 round_bf16x16(__m512 x) {
-#if defined(__AVX512BF16__)
-  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-#else
-  return kvpager::bf16x16_round(x);
-#endif
-}
+using kvpager::round_bf16x16;  // attention_tiles.h: the walk and the tiles round alike
 #elif defined(__AVX2__)
 // Eight fp32 rounded to bf16 (to nearest even, NaN -> 0x7fc0 as c10), as fp32.
 inline __m256 round_bf16x8(__m256 f) {
@@ -612,37 +602,39 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
 }
 
 #if defined(__AVX512F__)
-// The tiles of fp32 prefill chunks (attention_tiles.h), handed out one at a
-// time, last first (a sequence's later tokens attend more keys).
-template <int C>
-void run_tiles(const std::vector<kvpager::TileJob>& jobs) {
+// The tiles of fp32 and bf16 prefill chunks (attention_tiles.h), handed out
+// one at a time, last first (a sequence's later tokens attend more keys).
+template <int C, typename T>
+void run_tiles(const std::vector<kvpager::TileJob<T>>& jobs) {
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(jobs.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
     kvpager::TileScratch scratch;
     for (int64_t taken = next.fetch_add(1, std::memory_order_relaxed); taken < n;
          taken = next.fetch_add(1, std::memory_order_relaxed))
-      kvpager::attend_tile<C>(jobs[n - 1 - taken], scratch);
+      kvpager::attend_tile<C, T>(jobs[n - 1 - taken], scratch);
   });
 }
 
-// Whether a chunk of q_len queries goes to the tiles: fp32, a head dim with a
-// tile kernel, no window or soft-capping, and at least tile_min_query tokens
-// (0: never).
+// Whether a chunk of q_len queries goes to the tiles: fp32 or bf16, a head
+// dim with a tile kernel, no window or soft-capping, and at least
+// tile_min_query tokens (0: never).
 bool tiles_take(const Shape& sh, at::ScalarType dtype, int64_t q_len, int64_t tile_min_query) {
   const int64_t d = sh.head_dim;
-  return tile_min_query > 0 && q_len >= tile_min_query && dtype == at::kFloat && sh.window == 0 &&
+  return tile_min_query > 0 && q_len >= tile_min_query && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+         sh.window == 0 &&
          sh.softcap == 0.f && (d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256);
 }
 
-void dispatch_tiles(int64_t head_dim, const std::vector<kvpager::TileJob>& jobs) {
+template <typename T>
+void dispatch_tiles(int64_t head_dim, const std::vector<kvpager::TileJob<T>>& jobs) {
   switch (head_dim / 16) {
-    case 2: return run_tiles<2>(jobs);
-    case 4: return run_tiles<4>(jobs);
-    case 5: return run_tiles<5>(jobs);
-    case 6: return run_tiles<6>(jobs);
-    case 8: return run_tiles<8>(jobs);
-    case 16: return run_tiles<16>(jobs);
+    case 2: return run_tiles<2, T>(jobs);
+    case 4: return run_tiles<4, T>(jobs);
+    case 5: return run_tiles<5, T>(jobs);
+    case 6: return run_tiles<6, T>(jobs);
+    case 8: return run_tiles<8, T>(jobs);
+    case 16: return run_tiles<16, T>(jobs);
     default: TORCH_CHECK(false, "paged_attention: no tile kernel for head_dim ", head_dim);
   }
 }
@@ -670,8 +662,8 @@ void dispatch_dim(const Shape& sh, const at::Tensor& out, const at::Tensor& q, c
 // seq_lens[s] - q_len[s] + j and attends to positions <= its own (and, with
 // window > 0, > its own - window; table entries before the first query's
 // window may be padding). softcap > 0: Gemma 2's logit soft-capping.
-// tile_min_query: fp32 chunks of at least this many queries are attended in
-// tiles (attention_tiles.h, AVX-512 builds); 0 walks every query alone.
+// tile_min_query: fp32 and bf16 chunks of at least this many queries are
+// attended in tiles (attention_tiles.h, AVX-512 builds); 0 walks every query alone.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& seqs, double scale, int64_t window,
@@ -717,7 +709,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   std::vector<int64_t> items;
   items.reserve(static_cast<size_t>(seqs.numel()));
 #if defined(__AVX512F__)
-  std::vector<kvpager::TileJob> jobs;
+  std::vector<kvpager::TileJob<float>> jobs;
+  std::vector<kvpager::TileJob<c10::BFloat16>> jobs16;
 #endif
   for (int64_t i = 0; i < seqs.numel(); ++i) {
     const int64_t s = sp[i];
@@ -733,12 +726,19 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 #if defined(__AVX512F__)
     if (tiles_take(sh, q.scalar_type(), q_len, tile_min_query)) {
       const int64_t per = kvpager::tile_tokens(sh.group, lens[s]);
-      for (int64_t j = 0; j < q_len; j += per)
-        for (int64_t h = 0; h < sh.num_kv_heads; ++h)
-          jobs.push_back({q.data_ptr<float>(), sh.q_s0, sh.q_s1, k_cache.data_ptr<float>(), sh.k_s0, sh.k_s1, sh.k_s2,
-                          v_cache.data_ptr<float>(), sh.v_s0, sh.v_s1, sh.v_s2, out.data_ptr<float>(), sh.o_s0,
-                          sh.o_s1, tables + s * sh.max_blocks, sh.block_size, sh.group, qsl[s] + j,
-                          lens[s] - q_len + j, std::min(per, q_len - j), h, sc});
+      auto add = [&](auto& to, auto* elem) {
+        using T = std::remove_pointer_t<decltype(elem)>;
+        for (int64_t j = 0; j < q_len; j += per)
+          for (int64_t h = 0; h < sh.num_kv_heads; ++h)
+            to.push_back({q.data_ptr<T>(), sh.q_s0, sh.q_s1, k_cache.data_ptr<T>(), sh.k_s0, sh.k_s1, sh.k_s2,
+                          v_cache.data_ptr<T>(), sh.v_s0, sh.v_s1, sh.v_s2, out.data_ptr<T>(), sh.o_s0, sh.o_s1,
+                          tables + s * sh.max_blocks, sh.block_size, sh.group, qsl[s] + j, lens[s] - q_len + j,
+                          std::min(per, q_len - j), h, sc});
+      };
+      if (q.scalar_type() == at::kFloat)
+        add(jobs, static_cast<float*>(nullptr));
+      else
+        add(jobs16, static_cast<c10::BFloat16*>(nullptr));
       continue;
     }
 #endif
@@ -746,6 +746,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   }
 #if defined(__AVX512F__)
   if (!jobs.empty()) dispatch_tiles(sh.head_dim, jobs);
+  if (!jobs16.empty()) dispatch_tiles(sh.head_dim, jobs16);
 #endif
   if (items.empty()) return;
   switch (q.scalar_type()) {

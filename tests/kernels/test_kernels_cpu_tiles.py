@@ -1,11 +1,12 @@
-"""fp32 prefill chunks attended in tiles (kvpager_kernels/cpu/attention_tiles.h)
-against the per-query walk of the same C++ kernel and kvpager_kernels.reference."""
+"""fp32 and bf16 prefill chunks attended in tiles
+(kvpager_kernels/cpu/attention_tiles.h) against the per-query walk of the same
+C++ kernel, kvpager_kernels.reference and (bf16) transformers' eager attention."""
 
 import pytest
 import torch
 
 from kvpager_kernels import cpu_attention, cpu_build, reference as R
-from kvpager_kernels.testing import contiguous_attention, make_paged_batch, poison_unread
+from kvpager_kernels.testing import contiguous_attention, eager_attention, make_paged_batch, poison_unread
 
 pytestmark = pytest.mark.skipif(not cpu_build.available() or "avx512f" not in cpu_build.cpu_flags().split(),
                                 reason="the tile kernel is built for AVX-512 CPUs")
@@ -68,16 +69,51 @@ def test_tiles_read_nothing_past_each_length_and_leave_other_rows():
     torch.testing.assert_close(out[45:], want[45:], **TOL)
 
 
-def test_sixteen_bit_and_windowed_chunks_keep_the_walk(monkeypatch):
-    # Tiles are fp32 without a window or soft-capping; the rest walk (and so
-    # give the walk's bits whatever TILE_MIN_QUERY says).
-    bf = make_paged_batch([40], [40], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                          dtype=torch.bfloat16)
-    tiled, walked = _both(bf, monkeypatch)
+def test_fp16_and_windowed_chunks_keep_the_walk(monkeypatch):
+    # Tiles are fp32 or bf16 without a window or soft-capping; the rest walk
+    # (and so give the walk's bits whatever TILE_MIN_QUERY says).
+    half = make_paged_batch([40], [40], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                            dtype=torch.float16)
+    tiled, walked = _both(half, monkeypatch)
     assert torch.equal(tiled, walked)
-    fp = make_paged_batch([40], [40], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
-    for kw in (dict(window=8), dict(softcap=30.0)):
-        tiled, walked = _both(fp, monkeypatch, **kw)
-        assert torch.equal(tiled, walked)
-    tiled, walked = _both(fp, monkeypatch)
-    assert not torch.equal(tiled, walked)  # the tiles did run here (summation order differs)
+    # 256 tokens: enough scores that an fp32 summation order differing in
+    # the last bits lands some bf16 roundings on the other side.
+    fp = make_paged_batch([256], [256], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    bf = make_paged_batch([256], [256], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                          dtype=torch.bfloat16)
+    for batch in (fp, bf):
+        for kw in (dict(window=8), dict(softcap=30.0)):
+            tiled, walked = _both(batch, monkeypatch, **kw)
+            assert torch.equal(tiled, walked)
+        tiled, walked = _both(batch, monkeypatch)
+        assert not torch.equal(tiled, walked)  # the tiles did run here (summation order differs)
+
+
+@pytest.mark.parametrize("group", [1, 7])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_bf16_tiles_round_where_transformers_rounds(monkeypatch, group, head_dim):
+    """bf16 tiles round q.k, the scaled score, the probabilities and the
+    output where transformers' eager attention does, as the walk does: the
+    same elements as eager bf16 (but for sums whose order differs landing on
+    the other side of a rounding), and far more of them than an fp32
+    computation rounded once at the end."""
+    batch = make_paged_batch([37, 50, 9, 150], [37, 3, 1, 40], num_heads=2 * group, num_kv_heads=2,
+                             head_dim=head_dim, block_size=16, dtype=torch.bfloat16)
+    tiled, walked = _both(batch, monkeypatch)
+    eager = eager_attention(batch)
+    for got in (tiled, walked):
+        same = (got == eager).float().mean().item()
+        assert same >= 0.99, f"{same:.3f} of the elements as transformers' eager bf16 attention"
+        torch.testing.assert_close(got.float(), eager.float(), atol=2 ** -6, rtol=2 ** -6)
+    assert (tiled == walked).float().mean().item() >= 0.99
+    assert (R.paged_attention(*batch.args()) == eager).float().mean().item() < 0.9
+    assert torch.equal(tiled[40], walked[40])  # the decode row is walked
+
+
+def test_bf16_tiles_read_nothing_past_each_length(monkeypatch):
+    batch = make_paged_batch([45, 130], [45, 30], num_heads=14, num_kv_heads=2, head_dim=64, block_size=16,
+                             dtype=torch.bfloat16)
+    want, _ = _both(batch, monkeypatch)
+    poison_unread(batch)
+    got, _ = _both(batch, monkeypatch)
+    assert torch.equal(got, want)
