@@ -129,7 +129,7 @@ async def _demo(args: argparse.Namespace) -> dict:
         console.print("[bold]After every request finished[/] (all blocks back; cached prefixes stay findable)")
         console.print(render_table(snapshot_dict(final)))
     await channel.close()
-    await server.stop(0)
+    await server.stop(5)  # graceful: nothing is in flight, and stop(0) would GOAWAY-with-error a closing transport
     return {"peak": snapshot_dict(peak), "final": snapshot_dict(final), "steps": step_id}
 
 

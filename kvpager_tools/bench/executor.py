@@ -25,6 +25,7 @@ from pathlib import Path
 
 MODELS = ("demo", "llama-30m", "llama-0.5b")  # kvpager_tools.bench.common.model_dir names
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64, 256)
+_STOP_GRACE_S = 5.0  # nothing is in flight when the benchmark stops its server
 
 
 def add_bench_parser(bench_subparsers) -> argparse.ArgumentParser:
@@ -167,7 +168,10 @@ def bench_model(name: str, args, batch_sizes: list[int]) -> dict:
     finally:
         if server is not None:
             channel.close()
-            asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+            # A grace, not 0: stop(0) cancels all calls at once, which sends a GOAWAY carrying an
+            # error to any transport still closing behind channel.close(), and grpc logs that one
+            # at INFO with "Error code" in it. With nothing in flight a graceful stop returns at once.
+            asyncio.run_coroutine_threadsafe(server.stop(_STOP_GRACE_S), loop).result(30)
             # Stop and close the loop before the interpreter exits: a loop left running in a
             # daemon thread still has grpc's poller fd registered, and its teardown at exit
             # logged "OSError: [Errno 9] Bad file descriptor".
