@@ -2,6 +2,10 @@
 
 import sys
 
-from executor_service.cli import main
+from kvpager.grpc_logging import quiet_grpc_core
+
+quiet_grpc_core()  # before grpc is imported
+
+from executor_service.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -2,6 +2,10 @@
 
 import sys
 
-from gateway.cli import main
+from kvpager.grpc_logging import quiet_grpc_core
+
+quiet_grpc_core()  # before grpc is imported
+
+from gateway.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -13,6 +13,10 @@ import argparse
 import importlib
 import sys
 
+from kvpager.grpc_logging import quiet_grpc_core
+
+quiet_grpc_core()  # before any subcommand imports grpc
+
 # service subcommand -> the service's entry-point module (add_arguments, run, HELP)
 SERVICES = {
     "memory": "memory_service.cli",
