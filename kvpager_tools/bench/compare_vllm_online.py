@@ -5,11 +5,14 @@ fixed length), same checkpoint, same prompts, one run.
 
 vLLM serves from its own virtual environment (``vllm_runner.py
 --serve-port``: the offline run's environment and engine settings); kvpager
-is the full stack with its HTTP API. Each engine gets a warm-up (the whole
-workload once) and ``repeats`` timed rounds, all requests sent at once; the
-other engine is not running meanwhile. Reported per engine: output tokens
-per second (medians), time to first token, time per output token and
-end-to-end latency (medians over requests, median over rounds).
+is the full stack with its HTTP API. Both servers stay up side by side; each
+gets a warm-up (the whole workload once), then the timed rounds alternate
+(vLLM, kvpager, vLLM, ...), each after the machine has gone quiet
+(``bc.settle``), all requests of a round sent at once. As offline, round i
+of each engine is a pair, so drift of the shared machine moves both sides of
+a ratio together. Reported per engine: output tokens per second (medians),
+time to first token, time per output token and end-to-end latency (medians
+over requests, median over rounds).
 """
 
 from __future__ import annotations
@@ -61,22 +64,41 @@ def vllm_server(python: Path, model: str, dtype: str, *, max_model_len: int, max
         end_process_group(proc, grace_s=30)  # its API process's engine core and worker too
 
 
-def _rounds(base_url: str, requests: list[bc.BenchRequest], repeats: int, label: str) -> list[dict]:
+def _round(base_url: str, requests: list[bc.BenchRequest], salt: str) -> dict:
     import asyncio
 
     target = bc.Target(backend="openai", base_url=base_url)
-    asyncio.run(bc.run_load(target, requests, ignore_eos=True, cache_salt=f"{label}-warmup"))
-    rounds = []
+    load = os.getloadavg()[0]
+    res = asyncio.run(bc.run_load(target, requests, ignore_eos=True, cache_salt=salt))
+    m = bc.load_metrics(res)
+    if m["failed"]:
+        raise RuntimeError(f"{salt}: {m['failed']} requests failed: {m.get('errors')}")
+    return {"wall_s": m["duration_s"], "tok_s": m["output_throughput"], "loadavg_1m": load,
+            "output_tokens": m["output_tokens"], "ttft_ms": m["ttft_ms"]["median"],
+            "tpot_ms": m["tpot_ms"]["median"], "e2e_ms": m["e2e_ms"]["median"]}
+
+
+def interleaved_rounds(servers: dict[str, str], requests: list[bc.BenchRequest], repeats: int, *,
+                       settle_s: float = 1.0) -> dict[str, list[dict]]:
+    """``servers``: label -> base URL, in the order each round visits them.
+    Every server gets the whole workload once as a warm-up, then ``repeats``
+    rounds each, alternating, every round after ``bc.settle(settle_s)``
+    (a server's OpenMP threads spin on after its round). A fresh cache salt
+    per round keeps earlier rounds' prefixes out. Returns label -> rounds
+    (``at_s``: when a round began, seconds after the first timed one)."""
+    for label, url in servers.items():
+        bc.progress(NAME, f"{label}: warm-up")
+        _round(url, requests, f"{label}-warmup")
+    rounds: dict[str, list[dict]] = {label: [] for label in servers}
+    t0 = None
     for r in range(repeats):
-        bc.progress(NAME, f"{label} online round {r + 1}/{repeats}")
-        load = os.getloadavg()[0]
-        res = asyncio.run(bc.run_load(target, requests, ignore_eos=True, cache_salt=f"{label}-{r}"))
-        m = bc.load_metrics(res)
-        if m["failed"]:
-            raise RuntimeError(f"{label}: {m['failed']} requests failed: {m.get('errors')}")
-        rounds.append({"wall_s": m["duration_s"], "tok_s": m["output_throughput"], "loadavg_1m": load,
-                       "output_tokens": m["output_tokens"], "ttft_ms": m["ttft_ms"]["median"],
-                       "tpot_ms": m["tpot_ms"]["median"], "e2e_ms": m["e2e_ms"]["median"]})
+        for label, url in servers.items():
+            waited = bc.settle(settle_s)
+            now = time.perf_counter()
+            t0 = now if t0 is None else t0
+            rounds[label].append({**_round(url, requests, f"{label}-{r}"), "settled_s": waited,
+                                  "at_s": round(now - t0, 3)})
+            bc.progress(NAME, f"round {r + 1}/{repeats}: {label} {rounds[label][-1]['tok_s']:.1f} tok/s")
     return rounds
 
 
@@ -87,36 +109,40 @@ def _summary(rounds: list[dict]) -> dict:
 
 def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
                    vllm_python: Path, vllm_timeout_s: float = 1800.0, max_batch_tokens: int = 0,
-                   max_running: int = 0, num_scheduler_steps: int = 0) -> dict:
+                   max_running: int = 0, num_scheduler_steps: int = 0, settle_s: float = 1.0) -> dict:
     requests = [bc.BenchRequest(prompt_ids=p, max_tokens=max_new_tokens) for p in prompts]
     total = len(prompts) * max_new_tokens
     max_len = max(512, max(len(p) for p in prompts) + max_new_tokens + 1)
-    with vllm_server(vllm_python, model, dtype, max_model_len=max_len, max_num_seqs=max(32, len(prompts)),
-                     timeout_s=vllm_timeout_s) as base:
-        vllm_rounds = _rounds(base, requests, repeats, "vllm")
     need_blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
     opts = bc.StackOptions(model=model, dtype=dtype, num_blocks=max(256, need_blocks + 64),
                            max_batch_tokens=max_batch_tokens, max_running=max_running,
                            num_scheduler_steps=num_scheduler_steps)
-    bc.progress(NAME, f"kvpager: starting the stack with its HTTP API ({dtype})")
-    with bc.embedded_stack(opts) as stack:
-        kv_rounds = _rounds(stack.addresses.http, requests, repeats, "kvpager")
-    for label, rounds in (("vllm", vllm_rounds), ("kvpager", kv_rounds)):
-        short = [r["output_tokens"] for r in rounds if r["output_tokens"] != total]
+    with vllm_server(vllm_python, model, dtype, max_model_len=max_len, max_num_seqs=max(32, len(prompts)),
+                     timeout_s=vllm_timeout_s) as base:
+        bc.progress(NAME, f"kvpager: starting the stack with its HTTP API ({dtype})")
+        with bc.embedded_stack(opts) as stack:
+            rounds = interleaved_rounds({"vllm": base, "kvpager": stack.addresses.http}, requests, repeats,
+                                        settle_s=settle_s)
+    vllm_rounds, kv_rounds = rounds["vllm"], rounds["kvpager"]
+    for label, rs in rounds.items():
+        short = [r["output_tokens"] for r in rs if r["output_tokens"] != total]
         if short:
             raise RuntimeError(f"{label}: generated {short} tokens in some rounds, expected {total}")
     kv, vl = _summary(kv_rounds), _summary(vllm_rounds)
+    paired = [round(k["tok_s"] / v["tok_s"], 3) for k, v in zip(kv_rounds, vllm_rounds)]
     return {
         "benchmark": NAME, "variant": "online", "model": model, "dtype": dtype, "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens, "input_len_mean": round(statistics.fmean(len(p) for p in prompts), 1),
         "repeats": repeats, "kvpager_tok_s": kv["tok_s"], "vllm_tok_s": vl["tok_s"],
         "ratio_vs_vllm": round(kv["tok_s"] / vl["tok_s"], 3),
-        # Not interleaved (one server after the other): each engine's rounds resampled on their own.
+        # Each kvpager round over the vLLM round just before it: drift of the machine cancels.
+        "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
         "ratio_interval": ratio_interval([r["tok_s"] for r in kv_rounds], [r["tok_s"] for r in vllm_rounds],
-                                         paired=False),
+                                         paired=True),
         "latency_ms": {"kvpager": {k: v for k, v in kv.items() if k != "tok_s"},
                        "vllm": {k: v for k, v in vl.items() if k != "tok_s"}},
-        "rounds": {"kvpager": kv_rounds, "vllm": vllm_rounds},
+        "rounds": {"order": "interleaved: vLLM then kvpager, per round; both servers up throughout",
+                   "kvpager": kv_rounds, "vllm": vllm_rounds},
         "settings": {"client": "kvpager bench serve's load generator: streamed /v1/completions, token-id prompts, "
                                "temperature 0, ignore_eos, every request at once",
                      "kvpager": {"stack": "kvpager up defaults, HTTP API", "num_blocks": opts.num_blocks,

@@ -149,3 +149,20 @@ def test_penalties_bytes_do_not_grow_with_the_context():
     assert long["penalties_history_every_step_bytes"] > 8 * 1024 * 4  # what the executor's histories save
     t = executor_us(4, 64, 320, repeats=2)
     assert t["history_resolve_us"] > 0 and t["sample_penalties_us"] > 0
+
+
+def test_online_rounds_alternate_between_servers(stack):
+    """compare-vllm --online's round loop (vLLM itself is not installed for
+    tests): two labels on the one stack's HTTP API; every round is complete,
+    rounds alternate label by label and each waits for a quiet machine."""
+    from kvpager_tools.bench.compare_vllm_online import interleaved_rounds
+
+    requests = [bc.BenchRequest(prompt_ids=[5 + i, 6, 7, 8, 9], max_tokens=3) for i in range(3)]
+    url = stack.addresses.http
+    rounds = interleaved_rounds({"first": url, "second": url}, requests, 2, settle_s=0.05)
+    assert list(rounds) == ["first", "second"] and all(len(r) == 2 for r in rounds.values())
+    starts = [rounds[label][i]["at_s"] for i in range(2) for label in ("first", "second")]
+    assert starts[0] == 0.0 and starts == sorted(starts) and len(set(starts)) == 4
+    for r in rounds["first"] + rounds["second"]:
+        assert r["output_tokens"] == 9 and r["tok_s"] > 0 and r["ttft_ms"] > 0
+        assert r["settled_s"] >= 0.05
