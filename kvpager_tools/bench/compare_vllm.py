@@ -80,6 +80,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "returned once, as vLLM's offline LLM.generate returns it; 1 streams every token)")
     p.add_argument("--online", action="store_true",
                    help="vLLM's OpenAI server vs kvpager's HTTP API, the same streaming client (no parity)")
+    p.add_argument("--single-rounds", type=int, default=None,
+                   help="--online: then this many rounds of one request at a time on each server (latency on "
+                        "an idle server; default 10, 0: none)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
 
@@ -315,6 +318,10 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.single_rounds is not None and not args.online:
+        raise SystemExit("--single-rounds is for the online comparison (--online)")
+    if args.single_rounds is not None and args.single_rounds < 0:
+        raise SystemExit(f"--single-rounds must be >= 0, got {args.single_rounds}")
     model = str(bc.model_dir(args.model))
     python = setup_vllm(Path(args.setup_vllm)) if args.setup_vllm else Path(args.vllm_python)
     prompts = make_prompts(model, args.num_prompts, args.min_input_len, args.max_input_len, args.seed)
@@ -330,7 +337,8 @@ def _main(args: argparse.Namespace) -> int:
         result = compare_online(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
                                 vllm_python=python, vllm_timeout_s=args.vllm_timeout_s,
                                 max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
-                                num_scheduler_steps=args.num_scheduler_steps or 0)
+                                num_scheduler_steps=args.num_scheduler_steps or 0,
+                                single_rounds=10 if args.single_rounds is None else args.single_rounds)
     else:
         result = compare(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
                          vllm_python=python, vllm_timeout_s=args.vllm_timeout_s, parity_sample=parity,

@@ -12,7 +12,11 @@ gets a warm-up (the whole workload once), then the timed rounds alternate
 of each engine is a pair, so drift of the shared machine moves both sides of
 a ratio together. Reported per engine: output tokens per second (medians),
 time to first token, time per output token and end-to-end latency (medians
-over requests, median over rounds).
+over requests, median over rounds). Then, unless ``single_rounds`` is 0,
+the same servers one request at a time (the median-length prompt, rounds
+interleaved the same way): the latency a lone user sees on an idle server,
+where what a server adds around the forward (its front door, its hops,
+its socket settings) shows; under 32 streams it hides in the queue.
 """
 
 from __future__ import annotations
@@ -107,9 +111,27 @@ def _summary(rounds: list[dict]) -> dict:
             if all(r[k] is not None for r in rounds)}
 
 
+def single_stream(servers: dict[str, str], prompts: list[list[int]], max_new_tokens: int, rounds: int, *,
+                  settle_s: float = 1.0) -> dict:
+    """One request at a time on each server (the median-length prompt),
+    ``rounds`` interleaved rounds: per label its medians over rounds, and
+    kvpager's time to first token over vLLM's when both labels are there."""
+    prompt = sorted(prompts, key=len)[len(prompts) // 2]
+    bc.progress(NAME, f"one request at a time: {len(prompt)}-token prompt, {rounds} rounds")
+    got = interleaved_rounds(servers, [bc.BenchRequest(prompt_ids=prompt, max_tokens=max_new_tokens)], rounds,
+                             settle_s=settle_s)
+    out: dict = {"prompt_len": len(prompt), "rounds": rounds}
+    for label, rs in got.items():
+        out[label] = {k: v for k, v in _summary(rs).items() if k != "tok_s"}
+    if "kvpager" in out and "vllm" in out and out["vllm"].get("ttft_ms"):
+        out["ttft_ratio_vs_vllm"] = round(out["kvpager"]["ttft_ms"] / out["vllm"]["ttft_ms"], 3)
+    return out
+
+
 def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
                    vllm_python: Path, vllm_timeout_s: float = 1800.0, max_batch_tokens: int = 0,
-                   max_running: int = 0, num_scheduler_steps: int = 0, settle_s: float = 1.0) -> dict:
+                   max_running: int = 0, num_scheduler_steps: int = 0, settle_s: float = 1.0,
+                   single_rounds: int = 10) -> dict:
     requests = [bc.BenchRequest(prompt_ids=p, max_tokens=max_new_tokens) for p in prompts]
     total = len(prompts) * max_new_tokens
     max_len = max(512, max(len(p) for p in prompts) + max_new_tokens + 1)
@@ -121,8 +143,10 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
                      timeout_s=vllm_timeout_s) as base:
         bc.progress(NAME, f"kvpager: starting the stack with its HTTP API ({dtype})")
         with bc.embedded_stack(opts) as stack:
-            rounds = interleaved_rounds({"vllm": base, "kvpager": stack.addresses.http}, requests, repeats,
-                                        settle_s=settle_s)
+            servers = {"vllm": base, "kvpager": stack.addresses.http}
+            rounds = interleaved_rounds(servers, requests, repeats, settle_s=settle_s)
+            single = (single_stream(servers, prompts, max_new_tokens, single_rounds, settle_s=settle_s)
+                      if single_rounds else None)
     vllm_rounds, kv_rounds = rounds["vllm"], rounds["kvpager"]
     for label, rs in rounds.items():
         short = [r["output_tokens"] for r in rs if r["output_tokens"] != total]
@@ -143,6 +167,8 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
                        "vllm": {k: v for k, v in vl.items() if k != "tok_s"}},
         "rounds": {"order": "interleaved: vLLM then kvpager, per round; both servers up throughout",
                    "kvpager": kv_rounds, "vllm": vllm_rounds},
+        # One request at a time: medians over rounds (None with --single-rounds 0).
+        "single_stream": single,
         "settings": {"client": "kvpager bench serve's load generator: streamed /v1/completions, token-id prompts, "
                                "temperature 0, ignore_eos, every request at once",
                      "kvpager": {"stack": "kvpager up defaults, HTTP API", "num_blocks": opts.num_blocks,

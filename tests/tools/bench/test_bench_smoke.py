@@ -166,3 +166,34 @@ def test_online_rounds_alternate_between_servers(stack):
     for r in rounds["first"] + rounds["second"]:
         assert r["output_tokens"] == 9 and r["tok_s"] > 0 and r["ttft_ms"] > 0
         assert r["settled_s"] >= 0.05
+
+
+def test_single_stream_latency_of_each_server(stack):
+    """compare-vllm --online's one-request-at-a-time figures: the median-length
+    prompt, each label's latency medians, and the TTFT ratio (both labels on
+    the one stack here, so the ratio is near 1 but its keys are real)."""
+    from kvpager_tools.bench.compare_vllm_online import single_stream
+
+    prompts = [[5, 6, 7], [5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9]]
+    url = stack.addresses.http
+    out = single_stream({"vllm": url, "kvpager": url}, prompts, 3, 2, settle_s=0.05)
+    assert out["prompt_len"] == 5 and out["rounds"] == 2
+    for label in ("vllm", "kvpager"):
+        assert out[label]["ttft_ms"] > 0 and out[label]["e2e_ms"] >= out[label]["ttft_ms"]
+        assert out[label]["tpot_ms"] > 0
+    assert out["ttft_ratio_vs_vllm"] == round(out["kvpager"]["ttft_ms"] / out["vllm"]["ttft_ms"], 3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--single-rounds", "3"], "--single-rounds is for the online comparison"),
+    (["--online", "--single-rounds", "-1"], "--single-rounds must be >= 0"),
+])
+def test_compare_vllm_refuses_single_rounds_it_would_ignore(argv, message):
+    """Checked before anything is set up (no vLLM needed)."""
+    from kvpager_tools.bench import compare_vllm
+
+    parser = argparse.ArgumentParser()
+    compare_vllm.add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["compare-vllm", "--vllm-python", "/nonexistent/python", *argv])
+    with pytest.raises(SystemExit, match=message):
+        args.func(args)
