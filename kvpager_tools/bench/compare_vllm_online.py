@@ -79,20 +79,22 @@ def _round(base_url: str, requests: list[bc.BenchRequest], salt: str) -> dict:
         raise RuntimeError(f"{salt}: {m['failed']} requests failed: {m.get('errors')}")
     return {"wall_s": m["duration_s"], "tok_s": m["output_throughput"], "loadavg_1m": load,
             "output_tokens": m["output_tokens"], "ttft_ms": m["ttft_ms"]["median"],
-            "tpot_ms": m["tpot_ms"]["median"], "e2e_ms": m["e2e_ms"]["median"]}
+            "tpot_ms": m["tpot_ms"]["median"], "e2e_ms": m["e2e_ms"]["median"],
+            "cached_prompt_tokens": m["cached_prompt_tokens"]}
 
 
 def interleaved_rounds(servers: dict[str, str], requests: list[bc.BenchRequest], repeats: int, *,
-                       settle_s: float = 1.0) -> dict[str, list[dict]]:
+                       settle_s: float = 1.0, salt: str = "") -> dict[str, list[dict]]:
     """``servers``: label -> base URL, in the order each round visits them.
     Every server gets the whole workload once as a warm-up, then ``repeats``
     rounds each, alternating, every round after ``bc.settle(settle_s)``
     (a server's OpenMP threads spin on after its round). A fresh cache salt
-    per round keeps earlier rounds' prefixes out. Returns label -> rounds
+    per round (prefixed ``salt``: another workload on the same servers
+    passes its own) keeps earlier rounds' prefixes out. Returns label -> rounds
     (``at_s``: when a round began, seconds after the first timed one)."""
     for label, url in servers.items():
         bc.progress(NAME, f"{label}: warm-up")
-        _round(url, requests, f"{label}-warmup")
+        _round(url, requests, f"{salt}{label}-warmup")
     rounds: dict[str, list[dict]] = {label: [] for label in servers}
     t0 = None
     for r in range(repeats):
@@ -100,7 +102,7 @@ def interleaved_rounds(servers: dict[str, str], requests: list[bc.BenchRequest],
             waited = bc.settle(settle_s)
             now = time.perf_counter()
             t0 = now if t0 is None else t0
-            rounds[label].append({**_round(url, requests, f"{label}-{r}"), "settled_s": waited,
+            rounds[label].append({**_round(url, requests, f"{salt}{label}-{r}"), "settled_s": waited,
                                   "at_s": round(now - t0, 3)})
             bc.progress(NAME, f"round {r + 1}/{repeats}: {label} {rounds[label][-1]['tok_s']:.1f} tok/s")
     return rounds
@@ -118,11 +120,14 @@ def single_stream(servers: dict[str, str], prompts: list[list[int]], max_new_tok
     kvpager's time to first token over vLLM's when both labels are there."""
     prompt = sorted(prompts, key=len)[len(prompts) // 2]
     bc.progress(NAME, f"one request at a time: {len(prompt)}-token prompt, {rounds} rounds")
+    # Its own salts: the prompt is one of the throughput rounds', whose cached
+    # blocks would otherwise make its prefill a prefix hit (vLLM runs without a cache).
     got = interleaved_rounds(servers, [bc.BenchRequest(prompt_ids=prompt, max_tokens=max_new_tokens)], rounds,
-                             settle_s=settle_s)
+                             settle_s=settle_s, salt="single-")
     out: dict = {"prompt_len": len(prompt), "rounds": rounds}
     for label, rs in got.items():
-        out[label] = {k: v for k, v in _summary(rs).items() if k != "tok_s"}
+        out[label] = {**{k: v for k, v in _summary(rs).items() if k != "tok_s"},
+                      "cached_prompt_tokens": sum(r["cached_prompt_tokens"] for r in rs)}
     if "kvpager" in out and "vllm" in out and out["vllm"].get("ttft_ms"):
         out["ttft_ratio_vs_vllm"] = round(out["kvpager"]["ttft_ms"] / out["vllm"]["ttft_ms"], 3)
     return out

@@ -172,15 +172,20 @@ def test_single_stream_latency_of_each_server(stack):
     """compare-vllm --online's one-request-at-a-time figures: the median-length
     prompt, each label's latency medians, and the TTFT ratio (both labels on
     the one stack here, so the ratio is near 1 but its keys are real)."""
-    from kvpager_tools.bench.compare_vllm_online import single_stream
+    from kvpager_tools.bench.compare_vllm_online import interleaved_rounds, single_stream
 
-    prompts = [[5, 6, 7], [5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 9]]
+    prompts = [list(range(5, 5 + n)) for n in (24, 72, 40)]  # whole blocks: a repeat would hit the cache
     url = stack.addresses.http
-    out = single_stream({"vllm": url, "kvpager": url}, prompts, 3, 2, settle_s=0.05)
-    assert out["prompt_len"] == 5 and out["rounds"] == 2
+    servers = {"vllm": url, "kvpager": url}
+    # The throughput rounds first, as compare_online runs them: the single
+    # stream's prompt is among theirs and must not be served from their blocks.
+    interleaved_rounds(servers, [bc.BenchRequest(prompt_ids=p, max_tokens=3) for p in prompts], 2, settle_s=0.05)
+    out = single_stream(servers, prompts, 3, 2, settle_s=0.05)
+    assert out["prompt_len"] == 40 and out["rounds"] == 2
     for label in ("vllm", "kvpager"):
         assert out[label]["ttft_ms"] > 0 and out[label]["e2e_ms"] >= out[label]["ttft_ms"]
         assert out[label]["tpot_ms"] > 0
+        assert out[label]["cached_prompt_tokens"] == 0
     assert out["ttft_ratio_vs_vllm"] == round(out["kvpager"]["ttft_ms"] / out["vllm"]["ttft_ms"], 3)
 
 
