@@ -1,0 +1,78 @@
+"""compare-vllm --online's measuring parts on the demo model (vLLM itself is
+not installed for tests): both "servers" are one stack's HTTP API, so the
+figures are near a ratio of 1, but the rounds, their order, the salts and
+the JSON keys are the real ones. Never timed."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvpager_tools.bench import common as bc
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """A stack of its own: in test_bench_smoke the overhead benchmark steps
+    the memory service and executor directly, with step ids above the
+    gateway's, and from then on the memory service refuses the gateway's
+    older ones (the step fence: a single writer), so its requests end 503."""
+    opts = bc.StackOptions(model=str(bc.model_dir("demo")), max_running=64, max_batch_tokens=512, num_blocks=256)
+    with bc.embedded_stack(opts) as s:
+        yield s
+
+
+def test_online_rounds_alternate_between_servers(stack):
+    """compare-vllm --online's round loop (vLLM itself is not installed for
+    tests): two labels on the one stack's HTTP API; every round is complete,
+    rounds alternate label by label and each waits for a quiet machine."""
+    from kvpager_tools.bench.compare_vllm_online import interleaved_rounds
+
+    requests = [bc.BenchRequest(prompt_ids=[5 + i, 6, 7, 8, 9], max_tokens=3) for i in range(3)]
+    url = stack.addresses.http
+    rounds = interleaved_rounds({"first": url, "second": url}, requests, 2, settle_s=0.05)
+    assert list(rounds) == ["first", "second"] and all(len(r) == 2 for r in rounds.values())
+    starts = [rounds[label][i]["at_s"] for i in range(2) for label in ("first", "second")]
+    assert starts[0] == 0.0 and starts == sorted(starts) and len(set(starts)) == 4
+    for r in rounds["first"] + rounds["second"]:
+        assert r["output_tokens"] == 9 and r["tok_s"] > 0 and r["ttft_ms"] > 0
+        assert r["settled_s"] >= 0.05
+
+
+def test_single_stream_latency_of_each_server(stack):
+    """compare-vllm --online's one-request-at-a-time figures: the median-length
+    prompt, each label's latency medians, and the TTFT ratio (both labels on
+    the one stack here, so the ratio is near 1 but its keys are real)."""
+    from kvpager_tools.bench.compare_vllm_online import interleaved_rounds, single_stream
+
+    prompts = [list(range(5, 5 + n)) for n in (24, 72, 40)]  # whole blocks: a repeat would hit the cache
+    url = stack.addresses.http
+    servers = {"vllm": url, "kvpager": url}
+    # The throughput rounds first, as compare_online runs them: the single
+    # stream's prompt is among theirs and must not be served from their blocks.
+    interleaved_rounds(servers, [bc.BenchRequest(prompt_ids=p, max_tokens=3) for p in prompts], 2, settle_s=0.05)
+    out = single_stream(servers, prompts, 3, 2, settle_s=0.05)
+    assert out["prompt_len"] == 40 and out["rounds"] == 2
+    for label in ("vllm", "kvpager"):
+        assert out[label]["ttft_ms"] > 0 and out[label]["e2e_ms"] >= out[label]["ttft_ms"]
+        assert out[label]["tpot_ms"] > 0
+        assert out[label]["cached_prompt_tokens"] == 0
+    assert out["ttft_ratio_vs_vllm"] == round(out["kvpager"]["ttft_ms"] / out["vllm"]["ttft_ms"], 3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--single-rounds", "3"], "--single-rounds is for the online comparison"),
+    (["--online", "--single-rounds", "-1"], "--single-rounds must be >= 0"),
+])
+def test_compare_vllm_refuses_single_rounds_it_would_ignore(argv, message):
+    """Checked before anything is set up (no vLLM needed)."""
+    from kvpager_tools.bench import compare_vllm
+
+    parser = argparse.ArgumentParser()
+    compare_vllm.add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["compare-vllm", "--vllm-python", "/nonexistent/python", *argv])
+    with pytest.raises(SystemExit, match=message):
+        args.func(args)
