@@ -82,7 +82,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="vLLM's OpenAI server vs kvpager's HTTP API, the same streaming client (no parity)")
     p.add_argument("--single-rounds", type=int, default=None,
                    help="--online: then this many rounds of one request at a time on each server (latency on "
-                        "an idle server; default 10, 0: none)")
+                        "an idle server; default 10, 0: none)")  # compare_vllm_online.SINGLE_ROUNDS
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
 
@@ -332,13 +332,13 @@ def _main(args: argparse.Namespace) -> int:
     if args.online:
         if args.stream_interval is not None:
             raise SystemExit("--stream-interval is for the offline comparison (--online streams over HTTP)")
-        from kvpager_tools.bench.compare_vllm_online import compare_online
+        from kvpager_tools.bench.compare_vllm_online import SINGLE_ROUNDS, compare_online
 
         result = compare_online(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
                                 vllm_python=python, vllm_timeout_s=args.vllm_timeout_s,
                                 max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                                 num_scheduler_steps=args.num_scheduler_steps or 0,
-                                single_rounds=10 if args.single_rounds is None else args.single_rounds)
+                                single_rounds=SINGLE_ROUNDS if args.single_rounds is None else args.single_rounds)
     else:
         result = compare(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
                          vllm_python=python, vllm_timeout_s=args.vllm_timeout_s, parity_sample=parity,

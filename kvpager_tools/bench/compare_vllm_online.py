@@ -37,6 +37,7 @@ from kvpager_tools.ports import free_port
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 NAME = "compare-vllm"
+SINGLE_ROUNDS = 10  # rounds of one request at a time after the throughput rounds (--single-rounds)
 
 
 @contextlib.contextmanager
@@ -136,7 +137,7 @@ def single_stream(servers: dict[str, str], prompts: list[list[int]], max_new_tok
 def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
                    vllm_python: Path, vllm_timeout_s: float = 1800.0, max_batch_tokens: int = 0,
                    max_running: int = 0, num_scheduler_steps: int = 0, settle_s: float = 1.0,
-                   single_rounds: int = 10) -> dict:
+                   single_rounds: int = SINGLE_ROUNDS) -> dict:
     requests = [bc.BenchRequest(prompt_ids=p, max_tokens=max_new_tokens) for p in prompts]
     total = len(prompts) * max_new_tokens
     max_len = max(512, max(len(p) for p in prompts) + max_new_tokens + 1)

@@ -7,8 +7,8 @@ reports, beside the ratio, a bootstrap interval: the rounds are resampled
 with replacement and the ratio of medians recomputed each time; the
 interval is the central ``level`` share of those ratios. Where the rounds
 were interleaved (compare-vllm, offline and online: one round of each
-engine back to back), whole pairs are resampled, so drift that moves both rounds of a pair
-moves both medians together. The resampling is seeded: the same rounds give
+engine back to back), whole pairs are resampled, so drift that moves both
+rounds of a pair moves both medians together. The resampling is seeded: the same rounds give
 the same interval.
 """
 

@@ -149,4 +149,3 @@ def test_penalties_bytes_do_not_grow_with_the_context():
     assert long["penalties_history_every_step_bytes"] > 8 * 1024 * 4  # what the executor's histories save
     t = executor_us(4, 64, 320, repeats=2)
     assert t["history_resolve_us"] > 0 and t["sample_penalties_us"] > 0
-
