@@ -157,7 +157,7 @@ def config_from_args(args: argparse.Namespace):
     import os
     from pathlib import Path
 
-    from gateway.engine import EngineConfig
+    from gateway.engine_config import EngineConfig
     from gateway.http.server import HttpConfig
     from gateway.params import RequestCaps
     from gateway.recovery import RecoveryConfig

@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvpager.errors import FailedPrecondition, KvpagerError, NotFound, Unavailable
+from kvpager.errors import Aborted, FailedPrecondition, KvpagerError, NotFound, Unavailable
 from kvpager.prefix_index.hashing import PromptChain
 from kvpager.seq_status import SeqStatus
 from kvpager.log_limits import clip
@@ -28,11 +28,11 @@ from gateway import failures, metrics, wire
 from gateway.beam import BeamSearch
 from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
+from gateway.engine_config import EngineConfig
 from gateway.failures import FailureLog, for_client
 from gateway.membership import Executors
 from gateway.outputs import Outbox
-from gateway.params import RequestCaps
-from gateway.recovery import Recovery, RecoveryConfig
+from gateway.recovery import Recovery
 from gateway.rows import RowBuilder
 from gateway.request_stats import RequestStats
 from gateway.requests import RequestBook
@@ -41,28 +41,6 @@ from gateway.sequences import SequenceTable
 from gateway.state import Output, Request, Seq
 
 log = get_logger("gateway.engine")
-
-
-@dataclass
-class EngineConfig:
-    max_batch_tokens: int = 2048     # tokens each executor computes per step (prefill chunks + decodes)
-    max_running: int = 64            # sequences each executor runs per step
-    max_waiting: int = 1024          # requests admitted but not finished
-    max_n: int = 8
-    policy: str = "priority"         # a gateway.scheduling policy name: "priority" (default) | "fcfs"
-    step_timeout_s: float = 120.0
-    executor_refresh_s: float = 2.0
-    executor_info_timeout_s: float = 2.0  # an executor's GetInfo when it joins (then retried with backoff)
-    load_weight_tokens: float = 16.0  # routing: one queued sequence costs this many prefix tokens
-    max_prompt_tokens: int = 0       # longest prompt accepted; 0 = max_model_len - 1
-    stream_interval: int = 1         # tokens per streamed delta for requests that set none
-    # Plan each executor's next step while its current one runs, decodes fed
-    # with the executor's own samples (hides the Step and Execute round trips).
-    plan_ahead: bool = True
-    num_scheduler_steps: int = 1    # > 1: decode bursts of up to this many tokens (gateway.bursts)
-    caps: RequestCaps = field(default_factory=RequestCaps)  # what one request may ask (docs/security.md)
-    # Streams that outlive a lost memory service or executor (gateway/recovery.py).
-    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
 
 @dataclass(slots=True)
@@ -106,6 +84,8 @@ class Engine:
         self._depth = 2 if config.plan_ahead else 1
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self.fenced = ""  # why another gateway took the memory service over ("" while this one drives it)
+        metrics.FENCED.set(0)
 
     # views the router and servicer read
     @property
@@ -126,7 +106,7 @@ class Engine:
 
     @property
     def ready(self) -> bool:
-        return self.executors.ready
+        return self.executors.ready and not self.fenced
 
     def load(self, executor_id: str) -> int:
         return self.sequences.load(executor_id)
@@ -195,6 +175,8 @@ class Engine:
 
     async def submit(self, req: Request, executor_id: str) -> None:
         """Admit a validated request to the loop (it is allocated nothing yet)."""
+        if self.fenced:  # it passed the ready check before the fence
+            raise Unavailable(failures.FENCED, retry_after_s=1.0)
         seq = self.requests.admit(req, executor_id, self.tokenizer)
         if req.spec.beam_width > 1:
             self.beams.start(req, seq)
@@ -249,7 +231,7 @@ class Engine:
             except Exception as exc:  # the loop must survive anything one step does
                 if not isinstance(exc, KvpagerError):
                     log.exception("engine step failed")
-                await self._reset(exc, failures.MEMORY_UNAVAILABLE, "engine step failed")
+                await self._reset(exc, for_client(exc, failures.MEMORY_UNAVAILABLE), "engine step failed")
                 self.outbox.flush()
             self.stats.queue(self.sequences.seqs.values(), time.perf_counter())
             await asyncio.sleep(0)  # let new requests run between steps
@@ -285,6 +267,9 @@ class Engine:
         metrics.TOKENS_SAMPLED_AHEAD.inc(sum(batch.lookahead))
         try:
             plan = await self.memory.step(request, self.config.step_timeout_s)
+        except Aborted as exc:
+            await self._fence(exc)
+            return
         except (Unavailable, NotFound, FailedPrecondition) as exc:
             # Down, or it no longer holds what we think it does: it restarted (and
             # recovered, or not, from the mirror) or an executor was dropped and is
@@ -394,27 +379,42 @@ class Engine:
     def fail_on_bug(self, req: Request, doing: str) -> None:
         self.completions.fail_on_bug(req, doing)
 
-    async def _memory_lost(self, cause: KvpagerError, stale: list[int], sent_new: set[int]) -> None:
-        """The Executes in flight finish first (their samples are real tokens),
-        then every sequence is rewound for re-admission (gateway/recovery.py);
-        the next Step waits a backoff."""
+    async def _drain(self) -> None:
+        """Until the Executes in flight are back (their samples are real tokens)."""
         while self._inflight:
             await asyncio.wait([call.task for call in self._inflight])
             await self._collect()
+
+    async def _memory_lost(self, cause: KvpagerError, stale: list[int], sent_new: set[int]) -> None:
+        """The Executes in flight finish first, then every sequence is rewound
+        for re-admission (gateway/recovery.py); the next Step waits a backoff."""
+        await self._drain()
         for req, error in self.recovery.memory_lost(cause, stale, sent_new):
             self.requests.fail(req, error or for_client(cause, failures.MEMORY_UNAVAILABLE), release=False)
         self._refresh_now.set()  # re-read the executors now (off the loop)
         self.outbox.flush()
         await asyncio.sleep(self.recovery.backoff_s())
 
-    async def _reset(self, cause: Exception, unavailable: str, kind: str) -> None:
+    async def _fence(self, cause: Aborted) -> None:
+        """Our step id is older than the memory service's last: a newer gateway
+        drives it (step ids start from the clock). Two writers would undo each
+        other's state, so this one stops until restarted: the Executes in flight
+        finish, every request ends UNAVAILABLE saying why, its sequences are
+        freed, health turns NOT_SERVING, new requests are refused."""
+        await self._drain()
+        self.fenced = cause.message
+        metrics.FENCED.set(1)
+        log.error("fenced: another gateway drives the memory service; this one stops serving until restarted",
+                  error=clip(cause.message, 400))
+        await self._reset(cause, Unavailable(failures.FENCED, retry_after_s=1.0), "fenced")
+
+    async def _reset(self, cause: Exception, error: KvpagerError, kind: str) -> None:
         """A step failed as a whole (a bug, or a refusal no retry helps): end
-        every request (UNAVAILABLE with ``unavailable`` as the message when
-        retrying helps, else INTERNAL; ``cause`` goes to the log only) and free
+        every request with ``error`` (``cause`` goes to the log only) and free
         what the memory service holds, off the loop (best effort)."""
         created = [s.seq_id for s in self.sequences if s.created]
         self._failures.ended(kind, cause, [r.request_id for r in self.requests.values()],
                              status=getattr(cause, "status", "INTERNAL"))
-        self.requests.fail_all(for_client(cause, unavailable), release=False)
+        self.requests.fail_all(error, release=False)
         self.sequences.clear()
         self.recovery.free_stale(created)

@@ -24,6 +24,8 @@ EXECUTOR_LEFT = "the executor serving this request left or restarted; retry"
 INTERNAL = "internal error; the request was ended"
 RETRIES_EXHAUSTED = "the request lost its serving state more often than the gateway retries (--max-retries); retry"
 RECOVERY_TIMEOUT = "no memory service or executor took the request back in time (--recovery-timeout-s); retry"
+FENCED = ("this gateway was fenced: another gateway drives the memory service now; "
+          "send requests to that one (or restart this one)")
 MAX_IDS_LOGGED = 32
 
 

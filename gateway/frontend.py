@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvpager.errors import InvalidArgument, Unavailable
 from kvpager.prefix_index.hashing import PromptChain
+from gateway import failures
 from gateway.params import RawParams, RequestCaps, validate, validate_token_ids
 from gateway.state import Output, Request
 from gateway.tenants import Tenants
@@ -66,6 +67,8 @@ class Frontend:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
     def check_ready(self) -> None:
+        if self.engine.fenced:
+            raise Unavailable(failures.FENCED, retry_after_s=1.0)
         if not self.engine.ready:
             raise Unavailable("no executor is serving", retry_after_s=1.0)
 

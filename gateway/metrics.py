@@ -100,6 +100,9 @@ REQUEST_SUCCESS = Counter("kvpager_request_success_total",
                           ["finished_reason"], registry=REGISTRY)
 
 # ---- the engine loop ------------------------------------------------------------------------
+FENCED = Gauge("kvpager_gateway_fenced",
+               "1 once another gateway took the memory service over (this one stopped serving), else 0.",
+               registry=REGISTRY)
 REQUESTS_IN_FLIGHT = Gauge("kvpager_gateway_requests_in_flight", "Requests admitted and not finished.",
                            registry=REGISTRY)
 REQUESTS_FINISHED = Counter("kvpager_gateway_requests_finished_total",

@@ -16,7 +16,8 @@ from kvpager.server import ServiceRuntime, TlsConfig
 from kvpager.telemetry import get_logger
 from kvpager.v1 import gateway_pb2_grpc
 from gateway.clients import MemoryClient
-from gateway.engine import Engine, EngineConfig
+from gateway.engine import Engine
+from gateway.engine_config import EngineConfig
 from gateway.http.server import HttpConfig
 from gateway.router import make_router
 from gateway.servicer import GatewayServicer

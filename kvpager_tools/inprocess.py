@@ -69,7 +69,7 @@ async def start_in_process(model: str, *, executors: int = 1, num_blocks: int = 
 
     from executor_service.config import ExecutorConfig
     from executor_service.service import start_executor_server
-    from gateway.engine import EngineConfig
+    from gateway.engine_config import EngineConfig
     from gateway.http.server import HttpConfig
     from gateway.service import GatewayConfig, GatewayServer
     from memory_service.service import MemoryConfig, MemoryServer

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from kvpager.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvpager.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvpager.log_limits import clip
 from kvpager.prefix_index.hashing import namespace_digest, root_hash
 from memory_service.accounting import PoolAccounting, check_invariants, executor_accounting, total_accounting
@@ -163,7 +163,10 @@ class MemoryManager:
         if step.step_id and step.step_id == self.last_step_id and self._last_output is not None:
             return self._last_output  # a retried step: same plan, no second application
         if step.step_id and step.step_id < self.last_step_id:
-            raise FailedPrecondition(f"step {step.step_id} is older than the last step {self.last_step_id}")
+            # Step ids start from the gateway's clock: an older one comes from a
+            # gateway another has replaced (the single writer fence).
+            raise Aborted(f"step {step.step_id} is older than the last step {self.last_step_id}: "
+                          "another gateway drives this memory service")
         decode = None if self._num_grouped else self.validator.check_decode(step)
         if decode is None:
             self.validator.check(step)

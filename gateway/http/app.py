@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import metrics
+from gateway import failures, metrics
 from gateway.frontend import Frontend, Submission, utf8_size
 from gateway.http import protocol
 from gateway.http.chat import ChatTemplate
@@ -279,7 +279,8 @@ def make_app(ctx: HttpContext) -> FastAPI:
     async def health():
         if ctx.serving() and frontend.engine.ready:
             return Response(status_code=200)
-        return JSONResponse(HttpError(503, "not serving: no executor, or shutting down", type="server_error",
+        why = failures.FENCED if frontend.engine.fenced else "no executor, or shutting down"
+        return JSONResponse(HttpError(503, f"not serving: {why}", type="server_error",
                                       code="service_unavailable").body(), status_code=503)
 
     @app.get("/metrics")

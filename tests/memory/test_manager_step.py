@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpager.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvpagerError, NotFound
+from kvpager.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, KvpagerError, NotFound
 from memory_service.events import AllCleared, BlockRemoved, BlockStored
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.policy import PreemptionMode
@@ -377,7 +377,7 @@ def test_retried_step_returns_the_same_plan_without_applying_twice(harness):
     snap = h.snapshot()
     again = h.run(step)
     assert again is out and h.snapshot() == snap
-    with pytest.raises(FailedPrecondition):
+    with pytest.raises(Aborted, match="another gateway"):  # an older id: the single-writer fence
         h.m.step(h.step_input(sched=[(1, 1)], step_id=6))
     assert h.snapshot() == snap
 
