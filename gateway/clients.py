@@ -40,7 +40,11 @@ class MemoryClient:
         return await self._call(self.stub.Step, request, timeout_s)
 
     async def list_executors(self) -> list[memory_pb2.ExecutorPoolInfo]:
-        return list((await self._call(self.stub.ListExecutors, memory_pb2.ListExecutorsRequest(), 5.0)).executors)
+        return list((await self.registry()).executors)
+
+    async def registry(self) -> memory_pb2.ListExecutorsResponse:
+        """The executors registered, and the last Step applied."""
+        return await self._call(self.stub.ListExecutors, memory_pb2.ListExecutorsRequest(), 5.0)
 
     async def score_prefix_hashes(self, block_hashes: bytes, namespace: bytes) -> list[memory_pb2.ExecutorScore]:
         """Scores of the executors of `namespace` for a prompt chain (packed 32-byte hashes)."""

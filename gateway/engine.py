@@ -214,6 +214,9 @@ class Engine:
         increasing at the memory service (one Step at a time) and at each
         executor (one Execute at a time per executor)."""
         while not self._stopping:
+            if self.executors.memory_step_id > self._step_id and not self.fenced:  # replaced while idle
+                await self._fence(Aborted(f"the memory service's last step {self.executors.memory_step_id} is "
+                                          f"ahead of ours ({self._step_id}): another gateway drives it"))
             if not self._has_work() and not self._inflight:
                 self.stats.queue((), time.perf_counter(), force=True)
                 self.outbox.flush()
@@ -372,12 +375,9 @@ class Engine:
                 sampled[req] = sampled.get(req, 0) + self.completions.take(seq, result.tokens, result.logprobs,
                                                                            result.top, bool(result.row.burst))
             except Exception:  # one request's bug must not end the others' streams
-                self.fail_on_bug(seq.request, "taking its sampled tokens")
+                self.completions.fail_on_bug(seq.request, "taking its sampled tokens")
         self.beams.finish_step()
         self.stats.tokens(sampled, time.perf_counter())
-
-    def fail_on_bug(self, req: Request, doing: str) -> None:
-        self.completions.fail_on_bug(req, doing)
 
     async def _drain(self) -> None:
         """Until the Executes in flight are back (their samples are real tokens)."""
@@ -396,11 +396,10 @@ class Engine:
         await asyncio.sleep(self.recovery.backoff_s())
 
     async def _fence(self, cause: Aborted) -> None:
-        """Our step id is older than the memory service's last: a newer gateway
-        drives it (step ids start from the clock). Two writers would undo each
-        other's state, so this one stops until restarted: the Executes in flight
-        finish, every request ends UNAVAILABLE saying why, its sequences are
-        freed, health turns NOT_SERVING, new requests are refused."""
+        """The memory service's last step is ahead of ours: a newer gateway drives
+        it (step ids start from the clock). Two writers would undo each other's
+        state, so this one stops until restarted: Executes in flight finish,
+        requests end UNAVAILABLE saying why, their sequences are freed."""
         await self._drain()
         self.fenced = cause.message
         metrics.FENCED.set(1)

@@ -63,6 +63,8 @@ class Executors:
         self._joined: list[ExecutorClient] = []
         self._retry: dict[tuple, tuple[float, float]] = {}  # pool key -> (next attempt, monotonic; delay s)
         self._warnings = LogLimiter(30.0)
+        self.memory_step_id = 0  # the memory service's last applied Step, as of the latest listing
+
     # mapping view
     def __getitem__(self, executor_id: str) -> ExecutorClient:
         return self.clients[executor_id]
@@ -101,7 +103,9 @@ class Executors:
                 await asyncio.wait_for(now.wait(), interval_s)
             now.clear()
             try:
-                self.listed(await self.memory.list_executors())
+                registry = await self.memory.registry()
+                self.memory_step_id = registry.last_step_id
+                self.listed(list(registry.executors))
                 self._on_join()
             except Exception as exc:  # noqa: BLE001 - the refresh task must outlive any one listing
                 warnings.log(log.warning, "refresh", "executor refresh failed",

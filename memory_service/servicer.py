@@ -197,7 +197,8 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     async def ListExecutors(self, request, context):
         m = self.state.manager
         return memory_pb2.ListExecutorsResponse(
-            executors=[spec_to_proto(kv.spec, m.costs.get(eid)) for eid, kv in m.executors.items()])
+            executors=[spec_to_proto(kv.spec, m.costs.get(eid)) for eid, kv in m.executors.items()],
+            last_step_id=m.last_step_id)
 
     async def Step(self, request, context):
         return plan_to_proto(self.state.step(step_from_proto(request)))

@@ -100,10 +100,12 @@ class ListExecutorsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListExecutorsResponse(_message.Message):
-    __slots__ = ("executors",)
+    __slots__ = ("executors", "last_step_id")
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorPoolInfo]
-    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorPoolInfo, _Mapping]]] = ...) -> None: ...
+    last_step_id: int
+    def __init__(self, executors: _Optional[_Iterable[_Union[ExecutorPoolInfo, _Mapping]]] = ..., last_step_id: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "executor_id", "prompt_token_ids", "priority", "cache_salt", "max_total_tokens", "prompt_block_hashes", "request_id", "tenant", "retention_s")

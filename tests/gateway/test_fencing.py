@@ -90,3 +90,33 @@ async def test_a_replaced_gateway_ends_its_streams_at_once_says_why_and_frees_th
         assert "another gateway" in stale.value.details()
     finally:
         await s.stop()
+
+
+async def test_an_idle_gateway_learns_it_was_replaced_from_the_registry_listing(model):
+    """No request needed: the memory service's listing carries its last step,
+    so an idle replaced gateway turns NOT_SERVING within a refresh (a load
+    balancer stops sending it clients)."""
+    s = await start_stack(model, executors=1, num_blocks=32, block_size=4, executor_refresh_s=0.2)
+    try:
+        assert await _health(s.gateway.address) == health_pb2.HealthCheckResponse.SERVING
+        listing = await s.mem.ListExecutors(memory_pb2.ListExecutorsRequest())
+        assert listing.last_step_id <= s.gateway.engine._step_id  # none, or our own
+        ahead = s.gateway.engine._step_id + (10**6 << 8)
+        await s.mem.Step(memory_pb2.StepRequest(step_id=ahead))
+        assert (await s.mem.ListExecutors(memory_pb2.ListExecutorsRequest())).last_step_id == ahead
+        for _ in range(50):
+            if s.gateway.engine.fenced:
+                break
+            await asyncio.sleep(0.1)
+        assert "another gateway" in s.gateway.engine.fenced
+        assert _fenced_gauge() == 1
+        for _ in range(50):
+            if await _health(s.gateway.address) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            await asyncio.sleep(0.1)
+        assert await _health(s.gateway.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate(s.gw, [5, 6, 7], max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "fenced" in err.value.details()
+    finally:
+        await s.stop()
