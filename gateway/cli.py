@@ -92,7 +92,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 # The scheduling flags' destinations: `kvpager up` offers the same group and passes each one on.
 SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "stream_interval", "plan_ahead",
-                    "num_scheduler_steps")
+                    "num_scheduler_steps", "max_burst_ms")
 
 
 def positive_int(text: str) -> int:
@@ -100,6 +100,14 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite float >= 0."""
+    value = float(text)
+    if not 0.0 <= value < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -131,12 +139,17 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
                         "benchmarks; smaller bounds how long a prefill step holds up the decodes beside it)")
     g.add_argument("--max-running", type=int, default=64, help="sequences each executor runs per step")
     g.add_argument("--max-waiting", type=int, default=1024, help="requests in flight before RESOURCE_EXHAUSTED")
-    g.add_argument("--num-scheduler-steps", type=scheduler_steps, default=1,
+    g.add_argument("--num-scheduler-steps", type=scheduler_steps, default=8,
                    help="decode bursts: an executor running only decodes computes up to this many tokens per "
                         "sequence in one step, each forward fed its own last sample (as vLLM's multi-step "
-                        "scheduling; at most 64). Fewer Step and Execute round trips per token; tokens stream in "
-                        "groups, a stop mid-burst wastes the rest of it, and a new request waits for the burst "
-                        "to end (default 1: off)")
+                        "scheduling; at most 64), for requests that do not stream every token (a burst never "
+                        "delays a streamed delta). Fewer Step and Execute round trips per token; a stop "
+                        "mid-burst wastes the rest of it, and a new request waits for the burst to end "
+                        "(default 8; 1: off)")
+    g.add_argument("--max-burst-ms", type=non_negative_float, default=30.0,
+                   help="the longest decode burst, in the executor's measured forward times: what a request "
+                        "arriving mid-burst may wait to be admitted (default 30; a model whose one-token "
+                        "forward takes longer does not burst)")
     g.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
                    help="plan each step only after the previous one returned (default: the next step of an "
                         "executor is planned and sent while its current one runs)")
@@ -147,7 +160,7 @@ def scheduling_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--policy", args.policy, "--max-batch-tokens", str(args.max_batch_tokens),
             "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting),
             "--stream-interval", str(args.stream_interval),
-            "--num-scheduler-steps", str(args.num_scheduler_steps)]
+            "--num-scheduler-steps", str(args.num_scheduler_steps), "--max-burst-ms", f"{args.max_burst_ms:g}"]
     if not args.plan_ahead:
         argv.append("--no-plan-ahead")
     return argv
@@ -204,6 +217,7 @@ def config_from_args(args: argparse.Namespace):
                                              stream_interval=args.stream_interval,
                                              step_timeout_s=args.step_timeout_s, plan_ahead=args.plan_ahead,
                                              num_scheduler_steps=args.num_scheduler_steps,
+                                             max_burst_ms=args.max_burst_ms,
                                              executor_info_timeout_s=args.executor_info_timeout_s,
                                              caps=caps, recovery=RecoveryConfig(args.max_retries,
                                                                                 args.recovery_timeout_s)),

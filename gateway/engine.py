@@ -67,7 +67,7 @@ class Engine:
                                    stream_interval=config.stream_interval,
                                    info_timeout_s=config.executor_info_timeout_s, on_join=self._wake.set)
         self.scheduler = Scheduler(make_policy(config.policy), config.max_batch_tokens, config.max_running,
-                                   config.num_scheduler_steps)
+                                   config.num_scheduler_steps, config.max_burst_ms / 1e3)
         self.sequences = SequenceTable()
         self.outbox = Outbox()
         self.stats = RequestStats()
@@ -352,6 +352,7 @@ class Engine:
             self._lose_executor(ex, exc if isinstance(exc, KvpagerError) else Unavailable(repr(exc)),
                                 deregister=True)
             return
+        self.scheduler.clock.observe(ex.executor_id, call.rows, task.result().forward_s, task.result().sample_s)
         self._apply_results(call.rows, task.result())
 
     def _apply_results(self, rows: list[wire.Row], resp: executor_pb2.ExecuteResponse) -> None:

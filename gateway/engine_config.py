@@ -25,7 +25,10 @@ class EngineConfig:
     # Plan each executor's next step while its current one runs, decodes fed
     # with the executor's own samples (hides the Step and Execute round trips).
     plan_ahead: bool = True
-    num_scheduler_steps: int = 1    # > 1: decode bursts of up to this many tokens (gateway.bursts)
+    # Decode bursts (gateway.bursts): up to this many tokens per step for requests that do not
+    # stream every token, each burst at most max_burst_ms of the executor's measured forwards.
+    num_scheduler_steps: int = 8
+    max_burst_ms: float = 30.0
     caps: RequestCaps = field(default_factory=RequestCaps)  # what one request may ask (docs/security.md)
     # Streams that outlive a lost memory service or executor (gateway/recovery.py).
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)

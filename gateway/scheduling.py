@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.bursts import MAX_STEPS, lookaheads
+from gateway.bursts import MAX_STEPS, DecodeClock, lookaheads
 from gateway.state import Seq
 from kvpager.seq_status import SeqStatus
 
@@ -81,6 +81,8 @@ class Scheduler:
     max_batch_tokens: int = 2048
     max_running: int = 64
     num_steps: int = 1  # > 1: decode bursts of up to this many tokens (gateway.bursts)
+    max_burst_s: float = 0.03  # a burst lasts at most this long in measured forwards (gateway.bursts)
+    clock: DecodeClock = field(default_factory=DecodeClock)  # each executor's time per one-token forward
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_steps <= MAX_STEPS:
@@ -136,9 +138,13 @@ class Scheduler:
             if s.executor_id not in mixed:
                 rows.setdefault(s.executor_id, []).append(i)
         ahead = [0] * len(batch.seqs)
-        for idx in rows.values():
+        limits = self.clock.limits(self.num_steps, self.max_burst_s)
+        for eid, idx in rows.items():
+            steps = limits.get(eid, 1)  # not measured yet: no burst
+            if steps < 2:
+                continue
             for i, m in zip(idx, lookaheads([batch.seqs[i] for i in idx], [fed[i] for i in idx],
-                                            self.num_steps, max_model_len)):
+                                            steps, max_model_len)):
                 ahead[i] = m
         if any(ahead):
             batch.lookahead = ahead

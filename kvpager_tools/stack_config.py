@@ -156,6 +156,8 @@ class StackOptions:
     max_running: int = dataclasses.field(default=0, metadata={"help": "gateway: sequences per executor and step"})
     num_scheduler_steps: int = dataclasses.field(default=0, metadata={
         "help": "gateway: decode burst length (0: the gateway's default)"})
+    max_burst_ms: float = dataclasses.field(default=0.0, metadata={
+        "help": "gateway: longest decode burst in measured forward time, ms (0: the gateway's default)"})
     routing: str = dataclasses.field(default="", metadata={"help": "gateway: prefix | round-robin"})
     metrics: bool = dataclasses.field(default=False, metadata={"help": "Prometheus endpoints on"})
     gateway_args: str = dataclasses.field(default="", metadata={"help": "extra gateway flags, one string"})
@@ -177,7 +179,8 @@ class StackOptions:
         if self.max_model_len:
             args["executor"] += ["--max-model-len", str(self.max_model_len)]
         for flag, value in (("--max-batch-tokens", self.max_batch_tokens), ("--max-running", self.max_running),
-                            ("--num-scheduler-steps", self.num_scheduler_steps), ("--routing", self.routing)):
+                            ("--num-scheduler-steps", self.num_scheduler_steps), ("--routing", self.routing),
+                            ("--max-burst-ms", self.max_burst_ms)):
             if value:
                 args["gateway"] += [flag, str(value)]
         for role, flags in (extra or {}).items():

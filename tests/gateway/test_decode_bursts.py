@@ -27,7 +27,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 async def stacks(model):
     # Requests that set no stream_interval get their completion in deltas of 64 (in one piece, here).
     bursts = await start_stack(model, num_blocks=160, block_size=4, num_scheduler_steps=4, stream_interval=64)
-    plain = await start_stack(model, num_blocks=160, block_size=4)
+    plain = await start_stack(model, num_blocks=160, block_size=4, num_scheduler_steps=1)
     assert bursts.gateway.engine.scheduler.num_steps == 4 and plain.gateway.engine.scheduler.num_steps == 1
     yield bursts, plain
     await bursts.stop()

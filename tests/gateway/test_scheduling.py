@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from gateway.bursts import DecodeClock
 from gateway.cli import add_arguments, config_from_args
 from gateway.params import SamplingSpec
 from gateway.scheduling import DEFAULT_POLICY, FcfsPolicy, PriorityPolicy, Scheduler, make_policy
@@ -69,9 +70,42 @@ def decode(arrival: int, executor: str = "e", interval: int = 64, max_tokens: in
     return s
 
 
-def bursts(seqs, steps: int = 8, idle=("e",), **kw) -> dict[int, int]:
-    batch = Scheduler(PriorityPolicy(), num_steps=steps, **kw).schedule(seqs, set(idle), max_model_len=1000)
+def bursts(seqs, steps: int = 8, idle=("e",), forward_s: dict | None = None, **kw) -> dict[int, int]:
+    """Lookaheads of one schedule; each executor measured at ``forward_s`` (default 1 ms per forward)."""
+    clock = DecodeClock(seconds=forward_s if forward_s is not None else dict.fromkeys(idle, 0.001))
+    batch = Scheduler(PriorityPolicy(), num_steps=steps, clock=clock, **kw).schedule(seqs, set(idle),
+                                                                                    max_model_len=1000)
     return {s.request.arrival: m for s, m in zip(batch.seqs, batch.lookahead or [0] * len(batch.seqs))}
+
+
+def row(burst: int = 0, num_samples: int = 1, tokens: int = 1):
+    from gateway.wire import PLACEHOLDER, Row
+
+    return Row(None, 0, [5] * tokens + [PLACEHOLDER] * burst, num_samples=num_samples, burst=burst)
+
+
+def test_a_burst_lasts_at_most_max_burst_ms_of_the_executors_measured_forwards():
+    assert bursts([decode(0)], forward_s={"e": 0.005}) == {0: 5}       # 30 ms / 5 ms: 6 tokens, 5 ahead
+    assert bursts([decode(0)], forward_s={"e": 0.045}) == {0: 0}       # a 0.5B model's forward: no burst
+    assert bursts([decode(0)], forward_s={}) == {0: 0}                 # not measured yet: no burst
+    assert bursts([decode(0)], forward_s={"e": 0.005}, max_burst_s=0.1) == {0: 7}  # then num_steps bounds it
+    assert bursts([decode(0), decode(1, executor="f")], idle=("e", "f"),
+                  forward_s={"e": 0.001, "f": 0.01}) == {0: 7, 1: 2}   # each executor its own
+
+
+def test_the_decode_clock_times_forwards_of_decode_steps_only():
+    clock = DecodeClock(alpha=0.5)
+    clock.observe("e", [row(), row(tokens=7)], 0.05, 0.01)             # a prefill beside: not a decode step
+    clock.observe("e", [row(num_samples=2)], 0.05, 0.01)               # n first tokens
+    clock.observe("e", [], 0.05, 0.01)
+    assert clock.seconds == {}
+    clock.observe("e", [row(burst=3), row(burst=1)], 0.018, 0.002)     # 4 forwards
+    assert clock.seconds == {"e": pytest.approx(0.005)}
+    clock.observe("e", [row()], 0.008, 0.001)                          # one forward: the average moves halfway
+    assert clock.seconds == {"e": pytest.approx(0.007)}
+    assert clock.limits(8, 0.03) == {"e": 4}
+    clock.forget("e")
+    assert clock.limits(8, 0.03) == {}
 
 
 def test_an_executor_of_running_decodes_bursts_within_their_limits():
@@ -104,3 +138,8 @@ def test_the_burst_flag_is_bounded():
     for bad in ("0", "65"):
         with pytest.raises(SystemExit):
             p.parse_args(["--num-scheduler-steps", bad])
+    assert p.parse_args([]).max_burst_ms == 30.0
+    assert p.parse_args(["--max-burst-ms", "0"]).max_burst_ms == 0.0
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--max-burst-ms", bad])
