@@ -47,7 +47,8 @@ MAX_STEPS = 64
 class DecodeClock:
     """Seconds per one-token forward of each executor, from its Executes of
     decodes only (the executor's own forward and sampling timers: no queueing,
-    no transport), as an exponential moving average."""
+    no transport), as an exponential moving average (an executor restarted
+    under the same id moves it within a few steps)."""
 
     alpha: float = 0.2
     seconds: dict[str, float] = field(default_factory=dict)  # executor id -> seconds per forward
@@ -65,9 +66,6 @@ class DecodeClock:
         """Executor id -> the longest burst (1: none) within ``max_burst_s``."""
         return {eid: max(1, min(max_steps, int(max_burst_s / s))) if s > 0 else max_steps
                 for eid, s in self.seconds.items()}
-
-    def forget(self, executor_id: str) -> None:
-        self.seconds.pop(executor_id, None)
 
 
 def room(seq: Seq, fed: bool, max_model_len: int) -> int:

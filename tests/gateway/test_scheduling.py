@@ -104,8 +104,6 @@ def test_the_decode_clock_times_forwards_of_decode_steps_only():
     clock.observe("e", [row()], 0.008, 0.001)                          # one forward: the average moves halfway
     assert clock.seconds == {"e": pytest.approx(0.007)}
     assert clock.limits(8, 0.03) == {"e": 4}
-    clock.forget("e")
-    assert clock.limits(8, 0.03) == {}
 
 
 def test_an_executor_of_running_decodes_bursts_within_their_limits():
