@@ -212,8 +212,9 @@ async def test_client_disconnect_mid_stream_frees_the_blocks(stack, name):
         assert len(stack.gateway.engine.requests) <= 1
     t = await stack.wait_idle(timeout_s=5)
     assert t.used_blocks == before.used_blocks == 0 and not stack.gateway.engine.requests
-    # a client that gives up on a non-streamed request aborts it too
-    async with httpx.AsyncClient(base_url=stack.gateway.http_url, headers=auth(), timeout=0.5) as http:
+    # a client that gives up on a non-streamed request aborts it too (240 tokens take
+    # ~0.4 s here in decode bursts, the default for a non-streamed request)
+    async with httpx.AsyncClient(base_url=stack.gateway.http_url, headers=auth(), timeout=0.1) as http:
         with pytest.raises(httpx.TimeoutException):
             await http.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 240,
                                                      "ignore_eos": True})
