@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.outputs import first_at_once
 from gateway.state import Seq
 
 # The longest burst: the executor's MAX_DECODE_STEPS, the memory service's MAX_LOOKAHEAD + 1.
@@ -90,7 +91,9 @@ def to_next_delta(seq: Seq, fed: bool) -> int:
     stream_interval): a burst no longer than this delivers it no later."""
     comp = seq.completion
     num_output = len(comp.output_ids) + fed
-    return max(1, comp.sent_tokens + seq.request.spec.stream_interval - num_output)
+    # A first token still being sampled (fed ahead) is streamed the moment it comes back.
+    sent = max(comp.sent_tokens, 1) if num_output and first_at_once(seq.request) else comp.sent_tokens
+    return max(1, sent + seq.request.spec.stream_interval - num_output)
 
 
 def lookaheads(seqs: list[Seq], fed: list[bool], steps: int, max_model_len: int) -> list[int]:

@@ -40,10 +40,21 @@ def accept_token(req: Request, comp: Completion, token: int, logprob: float | No
     return finish
 
 
+def first_at_once(req: Request) -> bool:
+    """A completion's first token is streamed as soon as it is sampled, then
+    deltas of ``stream_interval`` (as vLLM's stream interval: the time to the
+    first token is the same whatever the interval), unless the interval
+    covers the whole completion (``max_tokens``, non-streamed HTTP): then it
+    goes once, when it ends."""
+    return req.spec.stream_interval < req.spec.max_tokens
+
+
 def take_output(req: Request, comp: Completion) -> Output | None:
-    """The delta not yet streamed (None if there is nothing new, or fewer
-    new tokens than the request's ``stream_interval`` while it runs)."""
-    if comp.finish is Finish.NONE and len(comp.output_ids) - comp.sent_tokens < req.spec.stream_interval:
+    """The delta not yet streamed (None if there is nothing new, or, while it
+    runs, fewer new tokens than the request's ``stream_interval`` after its
+    first token: ``first_at_once``)."""
+    if (comp.finish is Finish.NONE and len(comp.output_ids) - comp.sent_tokens < req.spec.stream_interval
+            and not (comp.sent_tokens == 0 and first_at_once(req))):
         return None
     text = comp.detok.text
     if comp.finish is not Finish.NONE:

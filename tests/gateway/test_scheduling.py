@@ -109,8 +109,10 @@ def test_the_decode_clock_times_forwards_of_decode_steps_only():
 def test_an_executor_of_running_decodes_bursts_within_their_limits():
     assert bursts([decode(0), decode(1, max_tokens=5, out=2)]) == {0: 7, 1: 2}  # 1 samples its last 3
     assert bursts([decode(0)], steps=1) == {0: 0}  # off
-    # a client reading every 3 tokens (1 already out): a burst of 2 brings its delta on time
-    assert bursts([decode(0), decode(1, interval=3, out=1)]) == {0: 1, 1: 1}
+    # a client reading every 3 tokens after its first (out at once): a burst of 3 brings the next delta on time
+    assert bursts([decode(0), decode(1, interval=3, out=1)]) == {0: 2, 1: 2}
+    assert bursts([decode(0), decode(1, interval=3, out=2)]) == {0: 1, 1: 1}
+    assert bursts([decode(0), decode(1, interval=32, max_tokens=32, out=1)]) == {0: 7, 1: 7}  # sent whole at the end
     assert bursts([decode(0), decode(1, interval=1)]) == {0: 0, 1: 0}
 
 

@@ -1,5 +1,6 @@
-"""stream_interval: a completion's tokens are streamed in deltas of that many
-(its last delta carries the rest), or once, when it ends; the tokens, text,
+"""stream_interval: a completion's first token is streamed at once (as
+vLLM's), then deltas of that many (its last delta carries the rest), or it
+goes once, when it ends, if the interval covers max_tokens; the tokens, text,
 logprobs and usage a client assembles are the same as streamed every step.
 The gateway's --stream-interval is the default; a request's value wins."""
 
@@ -45,13 +46,13 @@ async def test_deltas_of_the_interval_assemble_what_every_step_streams(stack):
     every, want = await _run(stack, 1, **kw)
     fours, got = await _run(stack, 4, **kw)
     assert _sizes(every) == [1] * 10
-    assert _sizes(fours) == [4, 4, 2]  # the last delta carries the rest
-    assert [r.finish_reason for r in fours] == [0, 0, common_pb2.FINISH_REASON_LENGTH]
+    assert _sizes(fours) == [1, 4, 4, 1]  # the first token at once; the last delta carries the rest
+    assert [r.finish_reason for r in fours] == [0, 0, 0, common_pb2.FINISH_REASON_LENGTH]
     (w,), (g,) = want.ordered, got.ordered
     assert g.token_ids == w.token_ids and g.text == w.text
     assert g.usage["completion_tokens"] == w.usage["completion_tokens"] == 10  # (the second hit the prefix cache)
     assert g.logprobs == pytest.approx(w.logprobs)
-    assert [len(r.top_logprobs) for r in fours] == [4, 4, 2]  # per token, as the tokens
+    assert [len(r.top_logprobs) for r in fours] == [1, 4, 4, 1]  # per token, as the tokens
     await stack.wait_idle()
 
 
@@ -71,7 +72,7 @@ async def test_a_stop_before_the_interval_ends_the_completion_with_what_it_has(s
     eos = min(stack.gateway.engine.eos_ids)
     # min_tokens masks EOS for 2 tokens; the bias then makes it the third: 3 tokens, the interval is 8
     responses, out = await _run(stack, 8, max_tokens=20, min_tokens=2, logit_bias={eos: 100.0})
-    assert _sizes(responses) == [3] and responses[0].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert _sizes(responses) == [1, 2] and responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     assert out.ordered[0].token_ids[-1] == eos
     await stack.wait_idle()
 
@@ -79,21 +80,21 @@ async def test_a_stop_before_the_interval_ends_the_completion_with_what_it_has(s
 @asyncio_module
 async def test_the_gateway_default_applies_when_a_request_sets_none(stack):
     default, _ = await _run(stack, 0, max_tokens=8, ignore_eos=True)  # the stack's --stream-interval 3
-    assert _sizes(default) == [3, 3, 2]
+    assert _sizes(default) == [1, 3, 3, 1]
     await stack.wait_idle()
 
 
 @asyncio_module
 async def test_a_client_leaving_between_deltas_releases_everything(stack):
-    """The client cancels after its first delta (tokens still held for the next one): the
+    """The client cancels after its second delta (tokens still held for the next one): the
     request ends and every block is freed; the next request is served."""
     req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT, stream_interval=2,
                                       sampling_params=params(max_tokens=40, ignore_eos=True))
     out = await stream_generate(stack.gw, req, timeout_s=60, cancel_after_tokens=2)
-    assert out.status == "CANCELLED" and len(out.ordered[0].token_ids) == 2
+    assert out.status == "CANCELLED" and len(out.ordered[0].token_ids) == 3  # deltas of 1, then 2
     await stack.wait_idle()
     after, _ = await _run(stack, 2, max_tokens=4, ignore_eos=True)
-    assert _sizes(after) == [2, 2]
+    assert _sizes(after) == [1, 2, 1]
     await stack.wait_idle()
 
 
