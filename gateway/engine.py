@@ -215,8 +215,7 @@ class Engine:
         executor (one Execute at a time per executor)."""
         while not self._stopping:
             if self.executors.memory_step_id > self._step_id and not self.fenced:  # replaced while idle
-                await self._fence(Aborted(f"the memory service's last step {self.executors.memory_step_id} is "
-                                          f"ahead of ours ({self._step_id}): another gateway drives it"))
+                await self._fence(Aborted("the memory service's last step is ahead of ours: another gateway drives it"))
             if not self._has_work() and not self._inflight:
                 self.stats.queue((), time.perf_counter(), force=True)
                 self.outbox.flush()
@@ -258,6 +257,8 @@ class Engine:
             if self.sequences.seqs and not self._inflight:
                 await asyncio.sleep(0.005)  # nothing fits now (waiting for executors)
             return
+        if not batch:
+            self.outbox.flush()  # this Step only carries changes (nothing to execute): stream first
         self._step_id += 1
         changes = self.sequences.take_changes()
         # Decodes fed with a token still being sampled: placeholders at the memory service.
@@ -404,8 +405,7 @@ class Engine:
         await self._drain()
         self.fenced = cause.message
         metrics.FENCED.set(1)
-        log.error("fenced: another gateway drives the memory service; this one stops serving until restarted",
-                  error=clip(cause.message, 400))
+        log.error("fenced: another gateway drives the memory service; serving stops", error=clip(cause.message, 400))
         await self._reset(cause, Unavailable(failures.FENCED, retry_after_s=1.0), "fenced")
 
     async def _reset(self, cause: Exception, error: KvpagerError, kind: str) -> None:
