@@ -144,3 +144,34 @@ async def test_preempted_while_its_burst_runs(model):
         assert acct.used_blocks == 0 and acct.preemptions_recompute >= 1
     finally:
         await stack.stop()
+
+
+async def test_a_step_that_schedules_nothing_streams_first(stacks):
+    """With a burst planned behind a prefill, the first token comes back while
+    the burst runs; the next Step only carries that token's append. It must not
+    hold the token back: the outbox is flushed before such a Step."""
+    from kvpager.v1 import gateway_pb2
+    from kvpager_tools.generate import stream_generate
+
+    bursts, _ = stacks
+    engine = bursts.gateway.engine
+    await generate(bursts.gw, prompts(1, seed=21)[0], max_tokens=8, ignore_eos=True)  # the executor's forwards timed
+    assert engine.scheduler.clock.seconds
+    seen = []
+    step = engine.memory.step
+
+    async def spy(request, timeout_s=None):
+        seen.append((bool(request.schedule_seq_ids), len(engine.outbox._items)))
+        return await step(request, timeout_s)
+
+    engine.memory.step = spy
+    try:
+        req = gateway_pb2.GenerateRequest(prompt_token_ids=prompts(1, seed=22)[0], stream_interval=4,
+                                          sampling_params=params(max_tokens=16, ignore_eos=True))
+        out = await stream_generate(bursts.gw, req, timeout_s=60)
+    finally:
+        engine.memory.step = step
+    assert len(out.completions[0].token_ids) == 16
+    idle = [pending for scheduled, pending in seen if not scheduled]
+    assert idle and not any(idle), seen  # such Steps happened, and none held a delta back
+    await bursts.wait_idle()
