@@ -13,7 +13,9 @@ burst samples exactly what the same decodes one step at a time would.
 Sub-step 0 is the whole step (every row, its cache ops, its penalties and
 top logprobs); later sub-steps carry only burst rows, which sample one token
 without penalties or top logprobs (checked: ``check_burst``). Outputs come
-back row-major: row i's ``query_lens[i]`` samples in order.
+back row-major: row i's ``query_lens[i]`` samples in order; a caller may
+also take each sub-step's samples as it ends (``on_part``: ExecuteStream,
+so the gateway streams tokens the moment they are sampled).
 """
 
 from __future__ import annotations
@@ -136,19 +138,29 @@ def last_samples(step: StepInput, out: StepOutput) -> np.ndarray:
     return out.sampled_token_ids[row_starts(step.query_lens)[1:] - 1]
 
 
+# on_part(j, rows, out): sub-step j (not the last) ended; rows: the burst's rows it ran, out: their samples.
+OnPart = Callable[[int, np.ndarray, StepOutput], None]
+
+
 def run(step: StepInput, groups: list[Resolved], histories: dict,
-        run_one: Callable[[StepInput, Resolved, dict, list[Resolved]], StepOutput]) -> StepOutput:
+        run_one: Callable[[StepInput, Resolved, dict, list[Resolved]], StepOutput],
+        on_part: OnPart | None = None) -> StepOutput:
     """A checked, resolved and committed burst: ``run_one`` (the executor's
     one-forward step: cache ops, forward, sampling) on each sub-step while any
-    row has tokens left, each fed what the one before sampled."""
+    row has tokens left, each fed what the one before sampled; ``on_part``
+    hears of every sub-step but the last as it ends (the last one's samples
+    are in the returned whole)."""
     q = step.query_lens
     tokens = step.token_ids[row_starts(q)[:-1]]  # every row's first token
     parts: list[tuple[np.ndarray, StepOutput]] = []
     forward_s = sample_s = cache_ops_s = 0.0
-    for j in range(int(q.max()) if len(q) else 0):
+    last = int(q.max()) - 1 if len(q) else -1
+    for j in range(last + 1):
         sub, (head, *rest), rows = sub_step(step, groups, j, tokens)
         out = run_one(sub, head, histories if j == 0 else {}, rest)
         parts.append((rows, out))
+        if on_part is not None and j < last:
+            on_part(j, rows, out)
         forward_s += out.forward_s
         sample_s += out.sample_s
         cache_ops_s += out.cache_ops_s

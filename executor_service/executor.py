@@ -247,9 +247,10 @@ class Executor:
         confirmed = (self.confirm_pool(incarnation, pool_generation) and generation == self.pool_generation)
         return confirmed, last, written
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepInput, on_part: burst.OnPart | None = None) -> StepOutput:
         """Run one step. Raises InvalidArgument / FailedPrecondition before
-        touching anything, ResourceExhausted when memory runs out."""
+        touching anything, ResourceExhausted when memory runs out. ``on_part``:
+        a decode burst's sub-steps as they end (``burst.run``), on this thread."""
         step = check_step(step, self._limits)
         if step.decode_steps > 1:
             burst.check_burst(step)
@@ -270,7 +271,7 @@ class Executor:
             self.histories.commit(histories)
             try:
                 if step.decode_steps > 1:  # one-token forwards back to back (executor_service.burst)
-                    out = burst.run(step, [resolved, *extra], histories.rows, self._run)
+                    out = burst.run(step, [resolved, *extra], histories.rows, self._run, on_part)
                 else:
                     out = self._run(step, resolved, histories.rows, extra)
                 self.last_samples.record(step, out)

@@ -137,6 +137,14 @@ def response_from_output(out: StepOutput) -> executor_pb2.ExecuteResponse:
     )
 
 
+def partial_response(sub_step: int, out: StepOutput) -> executor_pb2.ExecuteResponse:
+    """One burst sub-step's samples (ExecuteStream): its rows' tokens, in row order."""
+    return executor_pb2.ExecuteResponse(
+        step_id=out.step_id, partial=True, sub_step=sub_step,
+        sampled_token_ids=out.sampled_token_ids.astype("<i4").tobytes(),
+        sampled_logprobs=out.sampled_logprobs.astype("<f4").tobytes() if out.sampled_logprobs is not None else b"")
+
+
 # How long a step planned ahead waits for the step it follows to arrive.
 PREVIOUS_STEP_WAIT_S = 30.0
 
@@ -145,7 +153,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     """Answers UNAVAILABLE until ``attach(executor)`` (the model is loading)."""
 
     # Called by the gateway every step: its request id comes back in trailing metadata (kvpager.server).
-    PER_STEP_METHODS = ("Execute",)
+    PER_STEP_METHODS = ("Execute", "ExecuteStream")
 
     def __init__(self, executor: Executor | None = None) -> None:
         self.executor = executor
@@ -166,6 +174,30 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     async def Execute(self, request, context):
+        return response_from_output(await self._execute(request))
+
+    async def ExecuteStream(self, request, context):
+        """Execute, answering a decode burst's sub-steps as they end (all but the
+        last: partial messages), then the whole response."""
+        loop = asyncio.get_running_loop()
+        parts: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        def on_part(j: int, rows, out: StepOutput) -> None:  # on the step thread, in sub-step order
+            loop.call_soon_threadsafe(parts.put_nowait, partial_response(j, out))
+
+        # The worker hands the partials over before the step's own result, so `done` comes last.
+        task = asyncio.ensure_future(self._execute(request, on_part))
+        task.add_done_callback(lambda _: parts.put_nowait(done))
+        try:
+            while (msg := await parts.get()) is not done:
+                yield msg
+            yield response_from_output(task.result())
+        finally:
+            if not task.done():  # the caller went away: the step still runs, its result is dropped
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _execute(self, request, on_part=None) -> StepOutput:
         try:
             executor = self._ready()
             step = step_from_proto(request)
@@ -185,10 +217,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         loop = asyncio.get_running_loop()
         # The worker runs steps in the order they are handed over: the next
         # step starts the moment this one ends, with no wake-up in between.
-        future = loop.run_in_executor(self._worker, executor.execute, step)
+        future = loop.run_in_executor(self._worker, executor.execute, step, on_part)
         await self._handed_over(step.step_id)
-        out = await future
-        return response_from_output(out)
+        return await future
 
     async def _handed_over(self, step_id: int) -> None:
         if step_id > self._submitted:

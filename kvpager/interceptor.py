@@ -148,9 +148,14 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return unary
 
     def _wrap_stream(self, behavior: Callable, method: str, request_id: str, streamed: bool):
+        trailing_id = method in self.trailing_id_methods
+
         async def stream(request, context):
             with _Call(self.metrics, self.service, method, request_id) as call:
-                await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
+                if trailing_id:  # as unary: no separate metadata send before the first message
+                    context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
+                else:
+                    await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
                 try:
                     result = behavior(_checked(request, behavior, streamed), context)
                     if hasattr(result, "__aiter__"):

@@ -39,6 +39,11 @@ class ExecutorServiceStub:
                 request_serializer=kvpager_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=kvpager_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.ExecuteStream = channel.unary_stream(
+                '/kvpager.v1.ExecutorService/ExecuteStream',
+                request_serializer=kvpager_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
+                response_deserializer=kvpager_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/kvpager.v1.ExecutorService/GetInfo',
                 request_serializer=kvpager_dot_v1_dot_executor__pb2.GetInfoRequest.SerializeToString,
@@ -56,6 +61,17 @@ class ExecutorServiceServicer:
 
     def Execute(self, request, context):
         """One call per scheduler step: cache ops, then one forward, then sampling.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExecuteStream(self, request, context):
+        """Execute whose decode burst (decode_steps > 1) answers as it goes: one
+        message per sub-step but the last, with that sub-step's samples
+        (partial), as each sub-step ends; then the whole response, as Execute
+        returns it. The gateway streams tokens to clients the moment they are
+        sampled, with one Step and one call per burst. Not a burst: one message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,6 +96,11 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Execute': grpc.unary_unary_rpc_method_handler(
                     servicer.Execute,
+                    request_deserializer=kvpager_dot_v1_dot_executor__pb2.ExecuteRequest.FromString,
+                    response_serializer=kvpager_dot_v1_dot_executor__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'ExecuteStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExecuteStream,
                     request_deserializer=kvpager_dot_v1_dot_executor__pb2.ExecuteRequest.FromString,
                     response_serializer=kvpager_dot_v1_dot_executor__pb2.ExecuteResponse.SerializeToString,
             ),
@@ -119,6 +140,33 @@ class ExecutorService:
             request,
             target,
             '/kvpager.v1.ExecutorService/Execute',
+            kvpager_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
+            kvpager_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExecuteStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvpager.v1.ExecutorService/ExecuteStream',
             kvpager_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
             kvpager_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
             options,

@@ -115,5 +115,47 @@ def test_malformed_burst_refused(serve, oracle, bad):
     with pytest.raises(grpc.RpcError) as err:
         served.stub.Execute(req, timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        list(served.stub.ExecuteStream(req, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     plan.decode([seq], 2)  # the executor is unharmed: its tables did not move
     assert seq.tokens[5:] == oracle(CKPT).greedy(seq.tokens[:5], 3)
+
+
+def test_burst_streamed_sub_step_by_sub_step(serve):
+    """ExecuteStream: each sub-step but the last comes as it ends (the rows still
+    going, in row order, with logprobs), then the whole response, equal to what
+    Execute answers for the same burst."""
+    served = serve(CKPT)
+    plan = Plan(served)
+    ps = prompts(3, [6, 11, 4], seed=35)
+    kw = dict(temperature=1.0, top_p=0.9)
+    unary = [plan.new_seq(p, seed=40 + i, **kw) for i, p in enumerate(ps)]
+    streamed = [plan.new_seq(p, seed=40 + i, **kw) for i, p in enumerate(ps)]
+    plan.prefill(unary + streamed)
+    whole = _burst(plan, [(s, q) for s, q in zip(unary, (4, 2, 3))], 4, return_logprobs=True)
+    items = [(s, q) for s, q in zip(streamed, (4, 2, 3))]
+    req = _burst_request(plan, items, 4, return_logprobs=True)
+    msgs = list(served.stub.ExecuteStream(req, timeout=120))
+    plan.sent_tables(req, items)
+    *parts, last = msgs
+    assert [(m.partial, m.sub_step) for m in parts] == [(True, 0), (True, 1), (True, 2)]
+    assert not last.partial and last.sampled_token_ids == whole.sampled_token_ids
+    assert last.sampled_logprobs == whole.sampled_logprobs
+    tokens, logprobs = packed.unpack_i32(last.sampled_token_ids), packed.unpack_f32(last.sampled_logprobs)
+    starts = [0, 4, 6]
+    for j, m in enumerate(parts):
+        going = [i for i, (_, q) in enumerate(items) if q > j]
+        assert list(packed.unpack_i32(m.sampled_token_ids)) == [tokens[starts[i] + j] for i in going]
+        assert list(packed.unpack_f32(m.sampled_logprobs)) == [logprobs[starts[i] + j] for i in going]
+
+
+def test_stream_of_a_plain_step_is_one_message(serve, oracle):
+    served = serve(CKPT)
+    plan = Plan(served)
+    [seq] = [plan.new_seq(p) for p in prompts(1, [5], seed=36)]
+    items = [(seq, len(seq.tokens))]
+    req = plan.request(items)
+    [msg] = list(served.stub.ExecuteStream(req, timeout=60))
+    assert not msg.partial
+    assert list(packed.unpack_i32(msg.sampled_token_ids)) == oracle(CKPT).greedy(seq.tokens, 1)
