@@ -250,7 +250,7 @@ class StepValidator:
                                              "tokens not yet known")
                 if seq.num_tokens + appended.get(seq_id, 0) - replaced + 1 > seq.token_limit:
                     raise InvalidArgument(f"pending: sequence {seq_id} is at its limit of {seq.token_limit} tokens")
-        self._check_lookahead(step, live, appended, pending)
+        self._check_lookahead(step, live, appended, pending, created, gone)
         waiting = SeqStatus.WAITING
         for seq_id in sids:
             base = live.get(seq_id)
@@ -270,9 +270,12 @@ class StepValidator:
                                           "(append the sampled token first)")
 
     def _check_lookahead(self, step: StepInput, live: dict[int, Sequence], appended: dict[int, int],
-                         pending: set[int]) -> None:
+                         pending: set[int], created: dict[int, int], gone: set[int]) -> None:
         """A lookahead (decode burst) is for a RUNNING sequence scheduled for
-        all its tokens not yet computed, within its token and placeholder limits."""
+        all its tokens not yet computed, within its token and placeholder limits.
+        A child forked in this step is its parent's copy (a fork needs a parent
+        with nothing pending): the n completions of a request go on in a burst
+        right after their first tokens fan out."""
         ahead = step.schedule_lookahead
         if not ahead:
             return
@@ -284,12 +287,12 @@ class StepValidator:
         for seq_id, k, m in zip(sids, nums, ahead):
             if not m:
                 continue
-            seq = live.get(seq_id)
-            if seq is None or seq.status is not SeqStatus.RUNNING:
+            seq = live.get(seq_id) if seq_id not in created else live.get(self._origin(seq_id, created))
+            if seq is None or seq_id in gone or seq.status is not SeqStatus.RUNNING:
                 raise FailedPrecondition(f"schedule: sequence {seq_id} samples ahead (lookahead {m}) but is not "
                                          "running")
             extra = appended.get(seq_id, 0)
-            replaced = min(extra, seq.num_pending)
+            replaced = min(extra, seq.num_pending) if seq.seq_id == seq_id else 0
             tokens = seq.num_tokens + extra - replaced + (seq_id in pending)
             if k != tokens - seq.num_computed:
                 raise InvalidArgument(f"schedule: sequence {seq_id} samples ahead, so it computes all its "

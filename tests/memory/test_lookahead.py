@@ -118,3 +118,27 @@ def test_bad_lookaheads_fail_whole_and_change_nothing():
     with pytest.raises(InvalidArgument, match="computes all its 2 tokens"):
         m.step(StepInput(step_id=4, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[2]))
     assert m.check_invariants() == []
+
+
+def test_children_forked_in_the_step_burst_at_once():
+    """n completions: the first samples fan out (a fork in the step that appends
+    them), and every completion samples ahead in that same step; a plain copy
+    on write of the shared tail first."""
+    m = _manager()
+    _prefill(m, 1, [5, 6, 7, 8, 9], 1)  # 5 tokens: a partial second block, shared by the children
+    out = m.step(StepInput(step_id=2, forks=[(1, [2, 3])], schedule_seq_ids=[1, 2, 3], schedule_num_tokens=[1, 1, 1],
+                           schedule_lookahead=[2, 2, 2], **_app({1: [11], 2: [12], 3: [13]})))
+    assert sorted(_rows(out)) == [(1, 3), (2, 3), (3, 3)]
+    for seq_id, first in ((1, 11), (2, 12), (3, 13)):
+        seq = m.seqs[seq_id]
+        assert seq.token_ids == [5, 6, 7, 8, 9, first, PLACEHOLDER, PLACEHOLDER] and seq.num_pending == 2
+        assert seq.num_computed == 8
+    assert m.validator.pending_total == 6
+    assert m.executors["e0"].counters.cow_copies == 2  # two of the three tails copied, the last keeps it
+    assert m.check_invariants() == []
+    # a child freed in the same step cannot sample ahead
+    m.step(StepInput(step_id=3, **_app({1: [21, 22, 23]})))
+    with pytest.raises(FailedPrecondition, match="not running"):
+        m.step(StepInput(step_id=4, forks=[(1, [4])], free_seq_ids=[4], schedule_seq_ids=[4],
+                         schedule_num_tokens=[1], schedule_lookahead=[1]))
+    assert m.check_invariants() == []
