@@ -20,11 +20,12 @@ tokens come), and room left under ``max_tokens`` and the context limit.
 Seeded sampling is keyed by (seed, position), so a burst draws exactly what
 single steps draw.
 
-A burst is never longer than any of its sequences' wait for their next
-streamed delta (``stream_interval``): a client reading every token keeps
-one token per step (no burst), one reading every k tokens (or only the
-end: non-streaming HTTP, offline batches) gets its deltas no later than
-without bursts, only with fewer round trips between them.
+A client reading every token (or every k: ``stream_interval``) gets each
+delta no later than without bursts: a burst longer than some sequence's
+wait for its next delta goes out as ExecuteStream, whose sub-steps come
+back as they end (gateway.results takes their tokens at once, streams them
+and checks them for stops). One reading only the end (non-streaming HTTP,
+offline batches) gets a burst answered whole, in one message.
 
 Nor is it longer, in time, than ``max_burst_ms`` of the executor's measured
 one-token forwards (``DecodeClock``): a request arriving mid-burst waits
@@ -96,21 +97,19 @@ def to_next_delta(seq: Seq, fed: bool) -> int:
     return max(1, sent + seq.request.spec.stream_interval - num_output)
 
 
-def lookaheads(seqs: list[Seq], fed: list[bool], steps: int, max_model_len: int) -> list[int]:
+def lookaheads(seqs: list[Seq], fed: list[bool], steps: int, max_model_len: int) -> tuple[list[int], bool]:
     """One executor's decodes (all running, all in the step): the tokens each
-    samples ahead. The burst is at most ``steps`` long and no longer than
-    any sequence's wait for its next streamed delta (unless that delta is
-    its last: it ends within the burst), so a client streaming every k
-    tokens gets each delta no later than without bursts; a sequence that
-    must step one at a time turns bursts off for the executor."""
-    burst = steps
+    samples ahead in a burst of at most ``steps``, and whether the burst must
+    answer sub-step by sub-step (ExecuteStream): some sequence's client waits
+    for a delta before the burst's end, and gets each no later than without
+    bursts. A sequence that must step one at a time turns bursts off for the
+    executor."""
     rooms = []
     for s, f in zip(seqs, fed):
         r = room(s, f, max_model_len)
         if not r:
-            return [0] * len(seqs)
-        d = to_next_delta(s, f)
-        if d < r:
-            burst = min(burst, d)
+            return [0] * len(seqs), False
         rooms.append(r)
-    return [min(burst, r) - 1 for r in rooms]
+    ahead = [min(steps, r) - 1 for r in rooms]
+    streamed = any(a and to_next_delta(s, f) <= a for s, f, a in zip(seqs, fed, ahead))
+    return ahead, streamed

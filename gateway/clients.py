@@ -3,6 +3,8 @@ them: awaitable calls that raise kvpager domain errors, never grpc ones."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -104,12 +106,33 @@ class ExecutorClient:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def execute(self, request: executor_pb2.ExecuteRequest,
-                      timeout_s: float | None = None) -> executor_pb2.ExecuteResponse:
+    async def execute(self, request: executor_pb2.ExecuteRequest, timeout_s: float | None = None,
+                      on_part: Callable[[executor_pb2.ExecuteResponse], None] | None = None
+                      ) -> executor_pb2.ExecuteResponse:
+        """Execute; with ``on_part``, ExecuteStream (``execute_stream``)."""
+        if on_part is not None:
+            return await self.execute_stream(request, on_part, timeout_s)
         try:
             return await self.stub.Execute(request, timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise _domain(exc, f"executor {self.executor_id} at {self.address}") from None
+
+    async def execute_stream(self, request: executor_pb2.ExecuteRequest, on_part: Callable[[executor_pb2.ExecuteResponse], None],
+                             timeout_s: float | None = None) -> executor_pb2.ExecuteResponse:
+        """ExecuteStream: ``on_part`` gets each partial message (a burst's
+        sub-step) as it comes; returns the whole response."""
+        call = self.stub.ExecuteStream(request, timeout=timeout_s or self.timeout_s)
+        try:
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                if not msg.partial:
+                    return msg
+                on_part(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise _domain(exc, f"executor {self.executor_id} at {self.address}") from None
+        except BaseException:  # cancelled (the gateway stops): the call goes too
+            call.cancel()
+            raise
+        raise Unavailable(f"executor {self.executor_id} at {self.address}: the stream ended without its response")
 
     async def close(self) -> None:
         await self.channel.close()

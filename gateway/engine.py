@@ -14,9 +14,10 @@ coroutines post work (new requests, aborts, executor changes) and wake it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpager.errors import Aborted, FailedPrecondition, KvpagerError, NotFound, Unavailable
 from kvpager.prefix_index.hashing import PromptChain
@@ -36,6 +37,7 @@ from gateway.recovery import Recovery
 from gateway.rows import RowBuilder
 from gateway.request_stats import RequestStats
 from gateway.requests import RequestBook
+from gateway.results import Results
 from gateway.scheduling import Scheduler, make_policy
 from gateway.sequences import SequenceTable
 from gateway.state import Output, Request, Seq
@@ -53,6 +55,7 @@ class _Inflight:
     sent: float        # perf_counter when sent
     step_start: float  # perf_counter when its step began
     step_id: int = 0
+    parts: list = field(default_factory=list)  # a streamed burst's sub-steps come, not taken yet
 
 
 class Engine:
@@ -74,12 +77,14 @@ class Engine:
         self.requests = RequestBook(self.sequences, self.outbox, config.max_waiting, self.stats)
         self.completions = Completions(self.sequences, self.requests, self.outbox, self.executors)
         self.beams = BeamSearch(self.completions)
+        self.results = Results(self.sequences, self.completions, self.beams, self.stats)
         self.recovery = Recovery(config.recovery, self.sequences, self.requests, self.executors, memory)
         self._row_builder = RowBuilder(self.beams, plan_ahead=config.plan_ahead, stats=self.stats)
         self._step_id = int(time.time() * 1000) << 8  # increasing across gateway restarts
         self._refresh_now = asyncio.Event()
         self._failures = FailureLog()
         self._inflight: list[_Inflight] = []  # oldest first
+        self._parts = asyncio.Event()  # a streamed burst's sub-step came back
         # Executes one executor may have in flight: a step planned ahead joins the running one.
         self._depth = 2 if config.plan_ahead else 1
         self._tasks: list[asyncio.Task] = []
@@ -292,9 +297,11 @@ class Engine:
             rows = self._rows(ep)
             # The step running on this executor, whose samples fill this one's placeholders.
             prev = next((c.step_id for c in reversed(self._inflight) if c.ex is ex), 0)
-            task = asyncio.ensure_future(ex.execute(
-                wire.execute_request(self._step_id, ex.incarnation, ep, rows, prev), self.config.step_timeout_s))
-            self._inflight.append(_Inflight(ex, task, rows, time.perf_counter(), t0, self._step_id))
+            request = wire.execute_request(self._step_id, ex.incarnation, ep, rows, prev)
+            parts: list = []  # its clients get each sub-step's tokens as it ends (streamed) or with the whole
+            on_part = functools.partial(self._part_came, parts) if ep.executor_id in batch.streamed else None
+            task = asyncio.ensure_future(ex.execute(request, self.config.step_timeout_s, on_part))
+            self._inflight.append(_Inflight(ex, task, rows, time.perf_counter(), t0, self._step_id, parts))
         self.outbox.flush()  # the Execute calls go out first; the streams run during the forward
         metrics.STEP_SECONDS.labels("plan").observe(t_plan - t0)
         metrics.SCHEDULED_SEQS.observe(len(batch.seqs))
@@ -320,16 +327,24 @@ class Engine:
         return self._row_builder.rows(ep, self.sequences.seqs, max_model_len=self.executors.limits.max_model_len,
                                       eos_ids=self.eos_ids)
 
+    def _part_came(self, parts: list, msg: executor_pb2.ExecuteResponse) -> None:
+        parts.append(msg)
+        self._parts.set()
+
     async def _collect(self) -> None:
         """Wait until an Execute returns (or new work wakes the loop: an idle
-        executor may take it now), then apply every finished one in order."""
-        if not any(call.task.done() for call in self._inflight) and not self._wake.is_set():
-            waker = asyncio.ensure_future(self._wake.wait())
-            try:
-                await asyncio.wait([waker, *(call.task for call in self._inflight)],
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waker.cancel()
+        executor may take it now), taking a streamed burst's sub-steps as they
+        come; then apply every finished one in order."""
+        while not any(call.task.done() for call in self._inflight) and not self._wake.is_set():
+            if not self._parts.is_set():
+                wakers = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self._parts.wait())]
+                try:
+                    await asyncio.wait([*wakers, *(call.task for call in self._inflight)],
+                                       return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for waker in wakers:
+                        waker.cancel()
+            self._take_parts()
         pending, blocked = [], set()
         for call in self._inflight:
             eid = call.ex.executor_id
@@ -338,9 +353,15 @@ class Engine:
                 blocked.add(eid)  # an executor's results are applied in step order
                 continue
             metrics.STEP_SECONDS.labels("execute").observe(time.perf_counter() - call.sent)
-            self._finish_execute(call)
+            self._finish_execute(call)  # sub-steps not taken yet are in the whole response
             metrics.STEP_SECONDS.labels("total").observe(time.perf_counter() - call.step_start)
         self._inflight = pending
+        self._take_parts()
+
+    def _take_parts(self) -> None:
+        self._parts.clear()
+        if self.results.take_parts(self._inflight, self.executors.get):
+            self.outbox.flush()  # streamed at once
 
     def _finish_execute(self, call: _Inflight) -> None:
         ex, task = call.ex, call.task
@@ -354,32 +375,7 @@ class Engine:
                                 deregister=True)
             return
         self.scheduler.clock.observe(ex.executor_id, call.rows, task.result().forward_s, task.result().sample_s)
-        self._apply_results(call.rows, task.result())
-
-    def _apply_results(self, rows: list[wire.Row], resp: executor_pb2.ExecuteResponse) -> None:
-        sampled: dict[Request, int] = {}  # tokens per request (a beam's candidates count one)
-        for row in rows:
-            if row.num_samples:
-                row.seq.sampling -= 1
-                if not row.seq.sampling:
-                    row.seq.feed_ahead = False
-        for result in wire.row_results(rows, resp):
-            seq = result.row.seq
-            req = seq.request
-            if result.row.num_top and not result.row.num_samples:
-                sampled[req] = sampled.get(req, 0) + 1
-                self.beams.candidates(seq, result.top_ids, result.top_logprobs)
-                continue
-            if seq.seq_id not in self.sequences:
-                sampled[req] = sampled.get(req, 0) + len(result.tokens)
-                continue  # aborted while the step ran
-            try:
-                sampled[req] = sampled.get(req, 0) + self.completions.take(seq, result.tokens, result.logprobs,
-                                                                           result.top, bool(result.row.burst))
-            except Exception:  # one request's bug must not end the others' streams
-                self.completions.fail_on_bug(seq.request, "taking its sampled tokens")
-        self.beams.finish_step()
-        self.stats.tokens(sampled, time.perf_counter())
+        self.results.whole(call.rows, task.result())
 
     async def _drain(self) -> None:
         """Until the Executes in flight are back (their samples are real tokens)."""

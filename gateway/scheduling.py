@@ -70,6 +70,8 @@ class Batch:
     new: list[Seq] = field(default_factory=list)          # not yet known to the memory service
     # Per entry of seqs (empty: none): tokens it samples ahead in a decode burst.
     lookahead: list[int] = field(default_factory=list)
+    # Executors whose burst answers sub-step by sub-step (ExecuteStream): a client waits for tokens mid-burst.
+    streamed: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -143,8 +145,10 @@ class Scheduler:
             steps = limits.get(eid, 1)  # not measured yet: no burst
             if steps < 2:
                 continue
-            for i, m in zip(idx, lookaheads([batch.seqs[i] for i in idx], [fed[i] for i in idx],
-                                            steps, max_model_len)):
+            sizes, streamed = lookaheads([batch.seqs[i] for i in idx], [fed[i] for i in idx], steps, max_model_len)
+            for i, m in zip(idx, sizes):
                 ahead[i] = m
+            if streamed:
+                batch.streamed.add(eid)
         if any(ahead):
             batch.lookahead = ahead

@@ -147,6 +147,7 @@ class Row:
     bias: tuple[tuple[int, float], ...] = ()          # logit bias of this row's draw
     history: list[int] | None = None                  # penalised start: its tokens in cache, sent once
     burst: int = 0                                    # tokens sampled ahead (a decode burst): 1 + burst come back
+    taken: int = 0                                    # of them, taken already from a streamed burst's sub-steps
 
 
 def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPlan,

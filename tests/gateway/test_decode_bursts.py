@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import pytest_asyncio
@@ -32,6 +33,20 @@ async def stacks(model):
     yield bursts, plain
     await bursts.stop()
     await plain.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def streamed(stacks, model):
+    """Bursts whose clients read every token: each sub-step's tokens come back as it ends (ExecuteStream)."""
+    stack = await start_stack(model, num_blocks=160, block_size=4, num_scheduler_steps=4, stream_interval=1)
+    await generate(stack.gw, prompts(1, seed=20)[0], max_tokens=8, ignore_eos=True)  # the forwards timed
+    assert stack.gateway.engine.scheduler.clock.seconds
+    yield stack, stacks[1]
+    await stack.stop()
+
+
+def streamed_mid_burst() -> float:
+    return metrics.TOKENS_STREAMED_MID_BURST._value.get()
 
 
 def sampled_ahead() -> float:
@@ -91,27 +106,91 @@ async def test_requests_arriving_while_bursts_run(stacks, oracle):
 
 
 async def test_bursts_never_delay_a_streamed_delta(stacks, oracle):
-    """A client reading every token keeps one token per step; one reading
-    every 3 tokens (after its first, streamed at once) gets bursts of at most
-    3, its deltas on time."""
+    """A client reading every token, or every 3 (after its first, streamed at
+    once), gets its deltas as it would one step at a time: the burst's
+    sub-steps come back as they end and their tokens are streamed then."""
+    bursts, _ = stacks
+    engine = bursts.gateway.engine
+    p = prompts(1, seed=8)[0]
+    await generate(bursts.gw, p, max_tokens=8, ignore_eos=True)  # the executor's forwards timed
+    executor = bursts.executors[0].executor
+    forward = executor._run
+
+    def slow(*args):  # 20 ms per forward: a sub-step's message is apart from the next one's
+        time.sleep(0.02)
+        return forward(*args)
+
+    executor._run = slow
+    engine.scheduler.max_burst_s = 1.0  # measured at the tiny model's speed: still bursts of 4
+    try:
+        await _deltas_on_time(bursts, engine, p, oracle)
+    finally:
+        executor._run = forward
+        engine.scheduler.max_burst_s = 0.03
+
+
+async def _deltas_on_time(bursts, engine, p, oracle) -> None:
     from kvpager.v1 import gateway_pb2
     from kvpager_tools.generate import stream_generate
 
-    bursts, _ = stacks
-    p = prompts(1, seed=8)[0]
-    for interval, most in ((1, 0), (3, 2)):
-        before = sampled_ahead()
-        sizes = []
+    for interval in (1, 3):
+        before, streamed_before = sampled_ahead(), streamed_mid_burst()
+        sizes, taken_whole = [], []
+        whole = engine.results.whole
+
+        def spy(rows, resp):  # the tokens each whole response still brings
+            taken_whole.append(sum(1 + r.burst - r.taken for r in rows if r.burst))
+            return whole(rows, resp)
+
+        engine.results.whole = spy
         req = gateway_pb2.GenerateRequest(prompt_token_ids=p, stream_interval=interval,
                                           sampling_params=params(max_tokens=10, ignore_eos=True))
-        out = await stream_generate(bursts.gw, req, timeout_s=60,
-                                    on_chunk=lambda resp, _: sizes.append(len(resp.token_ids)))
+        try:
+            out = await stream_generate(bursts.gw, req, timeout_s=60,
+                                        on_chunk=lambda resp, _: sizes.append(len(resp.token_ids)))
+        finally:
+            engine.results.whole = whole
         assert out.completions[0].token_ids == oracle.greedy(p, 10, min_new_tokens=10)
         rest = 10 - 1  # the first token goes at once, then deltas of the interval
         assert sizes == [1] + [interval] * (rest // interval) + ([rest % interval] if rest % interval else [])
-        ahead = sampled_ahead() - before
-        assert ahead <= most * 10 and (ahead > 0) == (most > 0)
+        assert sampled_ahead() > before  # it did burst
+        # every burst token but each burst's last came as its sub-step ended
+        assert streamed_mid_burst() - streamed_before == sampled_ahead() - before
+        assert all(n <= 1 for n in taken_whole), taken_whole
         await bursts.wait_idle()
+
+
+async def test_streamed_bursts_match_generate(streamed, oracle):
+    before, mid = sampled_ahead(), streamed_mid_burst()
+    await greedy_batch_exact(streamed[0], oracle, prompts(6, seed=23), 13)
+    assert sampled_ahead() - before >= 6 * 3 and streamed_mid_burst() - mid >= 6 * 3
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.9, top_p=0.9, seed=7),
+    dict(temperature=0.8, seed=11, logprobs=1),
+    dict(temperature=0.9, seed=13, n=2),
+], ids=["seeded", "logprobs", "n2"])
+async def test_sampling_is_the_same_in_streamed_bursts(streamed, kw):
+    mid = streamed_mid_burst()
+    got_streamed, got_plain = await both(streamed, prompts(4, seed=24), max_tokens=10, ignore_eos=True, **kw)
+    assert streamed_mid_burst() > mid
+    for a, b in zip(got_streamed, got_plain):
+        assert a.keys() == b.keys()
+        for i in a:
+            assert a[i][0] == b[i][0] and a[i][1] == b[i][1]
+
+
+async def test_stop_token_mid_streamed_burst(streamed, oracle):
+    """The stop comes in a sub-step: the request ends there, the rest of the burst is discarded."""
+    before = discarded()
+    await check_stop_token_mid_completion(streamed, oracle, prompts(4, seed=25), 12, first=3)
+    assert discarded() > before
+
+
+async def test_stop_string_and_cancel_in_streamed_bursts(streamed):
+    await check_stop_string_and_short_limits(streamed, prompts(3, seed=26))
+    await check_cancel_mid_stream(streamed[0], prompts(4, seed=27))
 
 
 async def test_cancel_mid_burst_returns_blocks(stacks):

@@ -103,9 +103,9 @@ async def test_a_slow_executor_does_not_hold_up_the_other(stack, oracle):
     real_execute, real_choose = slow.execute, router.choose
     slow_p, fast_p = [11, 12, 13, 14, 15], [21, 22, 23, 24, 25]
 
-    async def delayed(request, timeout_s=None):
+    async def delayed(request, timeout_s=None, on_part=None):
         await asyncio.sleep(0.3)
-        return await real_execute(request, timeout_s)
+        return await real_execute(request, timeout_s, on_part)
 
     async def choose(prompt_ids, cache_salt, deadline=None, chain=None):
         return "executor-0" if prompt_ids == slow_p else "executor-1"

@@ -70,12 +70,23 @@ def decode(arrival: int, executor: str = "e", interval: int = 64, max_tokens: in
     return s
 
 
-def bursts(seqs, steps: int = 8, idle=("e",), forward_s: dict | None = None, **kw) -> dict[int, int]:
-    """Lookaheads of one schedule; each executor measured at ``forward_s`` (default 1 ms per forward)."""
+def plan(seqs, steps: int = 8, idle=("e",), forward_s: dict | None = None, **kw):
+    """One schedule; each executor measured at ``forward_s`` (default 1 ms per forward)."""
     clock = DecodeClock(seconds=forward_s if forward_s is not None else dict.fromkeys(idle, 0.001))
-    batch = Scheduler(PriorityPolicy(), num_steps=steps, clock=clock, **kw).schedule(seqs, set(idle),
-                                                                                    max_model_len=1000)
+    return Scheduler(PriorityPolicy(), num_steps=steps, clock=clock, **kw).schedule(seqs, set(idle),
+                                                                                   max_model_len=1000)
+
+
+def bursts(seqs, **kw) -> dict[int, int]:
+    """Lookaheads of one schedule (``plan``), by arrival."""
+    batch = plan(seqs, **kw)
     return {s.request.arrival: m for s, m in zip(batch.seqs, batch.lookahead or [0] * len(batch.seqs))}
+
+
+def streamed(seqs, **kw) -> tuple[dict[int, int], set[str]]:
+    """Lookaheads by arrival, and the executors whose burst answers sub-step by sub-step."""
+    batch = plan(seqs, **kw)
+    return {s.request.arrival: m for s, m in zip(batch.seqs, batch.lookahead)}, batch.streamed
 
 
 def row(burst: int = 0, num_samples: int = 1, tokens: int = 1):
@@ -109,11 +120,23 @@ def test_the_decode_clock_times_forwards_of_decode_steps_only():
 def test_an_executor_of_running_decodes_bursts_within_their_limits():
     assert bursts([decode(0), decode(1, max_tokens=5, out=2)]) == {0: 7, 1: 2}  # 1 samples its last 3
     assert bursts([decode(0)], steps=1) == {0: 0}  # off
-    # a client reading every 3 tokens after its first (out at once): a burst of 3 brings the next delta on time
-    assert bursts([decode(0), decode(1, interval=3, out=1)]) == {0: 2, 1: 2}
-    assert bursts([decode(0), decode(1, interval=3, out=2)]) == {0: 1, 1: 1}
-    assert bursts([decode(0), decode(1, interval=32, max_tokens=32, out=1)]) == {0: 7, 1: 7}  # sent whole at the end
-    assert bursts([decode(0), decode(1, interval=1)]) == {0: 0, 1: 0}
+
+
+def test_a_burst_answers_sub_step_by_sub_step_when_a_client_waits_for_tokens_before_its_end():
+    # nobody waits before the end: answered whole
+    assert streamed([decode(0), decode(1, interval=32, max_tokens=32, out=1)]) == ({0: 7, 1: 7}, set())
+    # a client reading every token, or every 3 after its first (out at once): as long, streamed
+    assert streamed([decode(0), decode(1, interval=1)]) == ({0: 7, 1: 7}, {"e"})
+    assert streamed([decode(0), decode(1, interval=3, out=1)]) == ({0: 7, 1: 7}, {"e"})
+    # the next delta due with the burst's last token: it comes with the whole response
+    assert streamed([decode(0, interval=8, out=1)]) == ({0: 7}, set())
+    assert streamed([decode(0, interval=7, out=1)]) == ({0: 7}, {"e"})
+    # a row whose next delta is its last (it ends within the burst) gets it with the whole response
+    ending = decode(0, interval=4, max_tokens=8, out=4)
+    ending.completion.sent_tokens = 4
+    assert streamed([ending]) == ({0: 3}, set())
+    # each executor on its own
+    assert streamed([decode(0, interval=1), decode(1, executor="f")], idle=("e", "f")) == ({0: 7, 1: 7}, {"e"})
 
 
 def test_no_burst_beside_other_work_or_a_row_that_steps_alone():
