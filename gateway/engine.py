@@ -166,8 +166,8 @@ class Engine:
             self.requests.fail(req, why or error, release=False)
         loop = asyncio.get_running_loop()
         loop.create_task(self.executors.deregister(ex) if deregister else ex.close())
-        self._failures.ended("executor lost", cause, [r.request_id for r in ended], executor_id=clip(ex.executor_id),
-                             status=cause.status)
+        self._failures.ended("executor lost", cause, [req.request_id for req, _ in ended],
+                             executor_id=clip(ex.executor_id), status=cause.status)
 
     # ---- requests ---------------------------------------------------------------
 

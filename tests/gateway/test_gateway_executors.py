@@ -119,3 +119,48 @@ async def test_executor_killed_mid_stream_moves_its_streams_to_the_survivor(mode
             proc.kill()
         proc.wait(timeout=30)
         await stack.stop()
+
+
+async def test_an_executor_that_refuses_a_step_ends_its_requests_only(model):
+    """An executor refusing a step (not UNAVAILABLE: it did not die) is dropped
+    and its requests end; the other executor's streams go on untouched (the
+    loss's log line once raised and reset the whole engine)."""
+    from kvpager.errors import FailedPrecondition
+
+    stack = await start_stack(model, executors=2, num_blocks=64, block_size=4)
+    try:
+        engine, router = stack.gateway.engine, stack.gateway.router
+        real_choose = router.choose
+
+        def steer(executor_id):
+            async def choose(prompt_ids, cache_salt, deadline=None, chain=None):
+                return executor_id
+            router.choose = choose
+
+        def request(i):
+            return gateway_pb2.GenerateRequest(prompt_token_ids=[40 + i, 41, 42],
+                                               sampling_params=dict(max_tokens=60, ignore_eos=True))
+
+        steer("executor-0")
+        want = [t async for r in stack.gw.Generate(request(0)) for t in r.token_ids]
+        survivor = stack.gw.Generate(request(0))
+        got = list((await survivor.read()).token_ids)
+        steer("executor-1")
+        victim = stack.gw.Generate(request(1))
+        assert (await victim.read()).token_ids
+        router.choose = real_choose
+
+        async def refuse(request, timeout_s=None, on_part=None):
+            raise FailedPrecondition("executor executor-1: table of sequence 7 differs")
+
+        engine.executors["executor-1"].execute = refuse
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await victim.read() is not grpc.aio.EOF:
+                pass
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        while (r := await survivor.read()) is not grpc.aio.EOF:
+            got += r.token_ids
+        assert got == want
+        assert list(engine.executors) == ["executor-0"]
+    finally:
+        await stack.stop()
