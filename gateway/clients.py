@@ -117,7 +117,8 @@ class ExecutorClient:
         except grpc.aio.AioRpcError as exc:
             raise _domain(exc, f"executor {self.executor_id} at {self.address}") from None
 
-    async def execute_stream(self, request: executor_pb2.ExecuteRequest, on_part: Callable[[executor_pb2.ExecuteResponse], None],
+    async def execute_stream(self, request: executor_pb2.ExecuteRequest,
+                             on_part: Callable[[executor_pb2.ExecuteResponse], None],
                              timeout_s: float | None = None) -> executor_pb2.ExecuteResponse:
         """ExecuteStream: ``on_part`` gets each partial message (a burst's
         sub-step) as it comes; returns the whole response."""

@@ -121,7 +121,8 @@ TOKENS_SAMPLED_AHEAD = Counter("kvpager_gateway_tokens_sampled_ahead_total",
                                "--num-scheduler-steps).", registry=REGISTRY)
 TOKENS_SAMPLED_AHEAD_DISCARDED = Counter("kvpager_gateway_tokens_sampled_ahead_discarded_total",
                                          "Tokens a decode burst computed past its sequence's end (a stop "
-                                         "condition mid-burst, an abort): discarded, never streamed.", registry=REGISTRY)
+                                         "condition mid-burst, an abort): discarded, never streamed.",
+                                         registry=REGISTRY)
 TOKENS_STREAMED_MID_BURST = Counter("kvpager_gateway_tokens_streamed_mid_burst_total",
                                     "Tokens taken from a decode burst's sub-steps as they ended (ExecuteStream: "
                                     "a client waited for them before the burst's end).", registry=REGISTRY)

@@ -287,7 +287,9 @@ def step_totals(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) 
     plan = d("gateway", "kvpager_gateway_step_seconds_sum", phase="plan")
     execute = d("gateway", "kvpager_gateway_step_seconds_sum", phase="execute")
     total = d("gateway", "kvpager_gateway_step_seconds_sum", phase="total")
-    handler = d("executor-0", "kvpager_rpc_latency_seconds_sum", method="/kvpager.v1.ExecutorService/Execute")
+    handler = (d("executor-0", "kvpager_rpc_latency_seconds_sum", method="/kvpager.v1.ExecutorService/Execute")
+               + d("executor-0", "kvpager_rpc_latency_seconds_sum",
+                   method="/kvpager.v1.ExecutorService/ExecuteStream"))  # a burst streamed sub-step by sub-step
     return {"steps": d("gateway", "kvpager_gateway_step_seconds_count", phase="total"),
             "forward": forward, "sample": sample, "execute_handler_other": handler - forward - sample,
             "execute_rpc_other": execute - handler, "memory_step": plan,

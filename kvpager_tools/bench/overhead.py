@@ -2,7 +2,9 @@
 
 For each decode batch size B, B requests (16-token prompts, 64 greedy
 tokens, ignore_eos) go through the embedded stack (memory service, one
-executor on the demo model, gateway: three processes on loopback gRPC). Between
+executor on the demo model, gateway: three processes on loopback gRPC),
+one token per step (`--num-scheduler-steps 1`: what a step costs, not how
+bursts spread it over tokens). Between
 the moment every request has its first token (all prefills done) and the
 moment the first one finishes, every step is a decode of exactly B
 sequences. Over that window, from the services' own Prometheus timers:
@@ -133,9 +135,14 @@ async def decode_window(gateway: str, ports: dict[str, int], batch: int, prompt_
             - per(t["execute_handler_other"] + t["execute_rpc_other"])}
 
 
+def _one_token_per_step(stack) -> bool:
+    flags = stack.config.extra_args.get("gateway", [])
+    return any(a == "--num-scheduler-steps" and b == "1" for a, b in zip(flags, flags[1:]))
+
+
 def measure(model: str, batches: list[int], prompt_len: int, output_len: int, repeats: int, stack=None,
             contexts: list[int] = (), control_steps: int = 24) -> dict:
-    """``stack``: a running kvpager_tools.stack.Stack with metrics on, max_running and
+    """``stack``: a running kvpager_tools.stack.Stack with metrics on, one token per step, max_running and
     max_batch_tokens large enough for the largest batch, and a pool for the
     contexts' prefixes (else one is started)."""
     from kvpager_tools.bench import control_plane
@@ -147,7 +154,9 @@ def measure(model: str, batches: list[int], prompt_len: int, output_len: int, re
     control_blocks = max((-(-c // 16) + 4 * max_batch for c in contexts), default=0) + 64
     opts = bc.StackOptions(model=model, metrics=True, max_running=max(max_batch, 64),
                            max_batch_tokens=max(512, max_batch * prompt_len),
-                           num_blocks=max(windows_blocks, control_blocks))
+                           num_blocks=max(windows_blocks, control_blocks), num_scheduler_steps=1)
+    if stack is not None and not _one_token_per_step(stack):
+        raise ValueError("bench overhead times one-token steps: start the stack with num_scheduler_steps=1")
     rows = []
     with (bc.embedded_stack(opts) if stack is None else contextlib.nullcontext(stack)) as stack:
         a = stack.addresses

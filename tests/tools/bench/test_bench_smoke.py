@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,8 +22,9 @@ def model() -> str:
 
 @pytest.fixture(scope="module")
 def stack(model):
-    """One stack (metrics on) shared by serve, compare-hf and overhead."""
-    opts = bc.StackOptions(model=model, metrics=True, max_running=64, max_batch_tokens=512, num_blocks=256)
+    """One stack (metrics on) shared by serve, compare-hf and overhead (which times one-token steps)."""
+    opts = bc.StackOptions(model=model, metrics=True, max_running=64, max_batch_tokens=512, num_blocks=256,
+                           num_scheduler_steps=1)
     with bc.embedded_stack(opts) as s:
         yield s
 
@@ -123,6 +125,9 @@ def test_overhead(stack, model):
     assert row["overhead_us"] == pytest.approx(row["period_us"] - row["forward_us"] - row["sample_us"], abs=0.5)
     assert row["overhead_x_echo"] > 0
     json.dumps(result)
+    bursting = SimpleNamespace(config=SimpleNamespace(extra_args={"gateway": ["--num-scheduler-steps", "8"]}))
+    with pytest.raises(ValueError, match="one-token steps"):
+        measure(model, [2], prompt_len=16, output_len=12, repeats=1, stack=bursting)
 
 
 def test_routing(model):
