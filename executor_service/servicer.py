@@ -174,7 +174,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     async def Execute(self, request, context):
-        return response_from_output(await self._execute(request))
+        return response_from_output(await (await self._hand_over(request)))
 
     async def ExecuteStream(self, request, context):
         """Execute, answering a decode burst's sub-steps as they end (all but the
@@ -186,18 +186,21 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         def on_part(j: int, rows, out: StepOutput) -> None:  # on the step thread, in sub-step order
             loop.call_soon_threadsafe(parts.put_nowait, partial_response(j, out))
 
+        # Handed over here, in the handler, as Execute does: steps reach the worker in the order they came.
+        future = await self._hand_over(request, on_part)
         # The worker hands the partials over before the step's own result, so `done` comes last.
-        task = asyncio.ensure_future(self._execute(request, on_part))
-        task.add_done_callback(lambda _: parts.put_nowait(done))
+        future.add_done_callback(lambda _: parts.put_nowait(done))
         try:
             while (msg := await parts.get()) is not done:
                 yield msg
-            yield response_from_output(task.result())
+            yield response_from_output(future.result())
         finally:
-            if not task.done():  # the caller went away: the step still runs, its result is dropped
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if not future.done():  # the caller went away: the step still runs, its result is dropped
+                future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    async def _execute(self, request, on_part=None) -> StepOutput:
+    async def _hand_over(self, request, on_part=None) -> asyncio.Future:
+        """The step, checked and queued on the worker (after the step it follows,
+        ``prev_step_id``, was); its future."""
         try:
             executor = self._ready()
             step = step_from_proto(request)
@@ -219,7 +222,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         # step starts the moment this one ends, with no wake-up in between.
         future = loop.run_in_executor(self._worker, executor.execute, step, on_part)
         await self._handed_over(step.step_id)
-        return await future
+        return future
 
     async def _handed_over(self, step_id: int) -> None:
         if step_id > self._submitted:

@@ -153,15 +153,18 @@ class Row:
 def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPlan,
                     rows: list[Row], prev_step_id: int = 0) -> executor_pb2.ExecuteRequest:
     """The executor's part of the plan (passed through untouched: rows, table
-    changes, cache ops), with token ids, context lengths and sampling added."""
+    changes, cache ops), with token ids, context lengths and sampling added.
+    ``prev_step_id``: the step in flight on this executor before this one (0:
+    none), whose samples fill the placeholders, and which the executor runs
+    first in any case (a step sent while the one before waits for its own
+    predecessor must not overtake it)."""
     tokens, starts = array("i"), array("i")
     num_samples, temps, top_ps, top_ks, seeds, tops = (array("i"), array("f"), array("f"), array("i"),
                                                         array("q"), array("i"))
-    want_logprobs = processed = fed = False
+    want_logprobs = processed = False
     burst = 0
     for row in rows:
         burst = max(burst, row.burst)
-        fed = fed or row.token_ids[0] == PLACEHOLDER
         spec = row.seq.request.spec
         tokens.extend(row.token_ids)
         starts.append(row.start)
@@ -182,7 +185,7 @@ def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPla
     return executor_pb2.ExecuteRequest(
         step_id=step_id, incarnation=incarnation, plan=plan, context_lens=array_bytes(starts),
         token_ids=array_bytes(tokens), sampling=sampling,
-        prev_step_id=prev_step_id if fed else 0, decode_steps=burst + 1 if burst else 0)
+        prev_step_id=prev_step_id, decode_steps=burst + 1 if burst else 0)
 
 
 def _add_processing(sampling: executor_pb2.SamplingBatch, rows: list[Row]) -> None:

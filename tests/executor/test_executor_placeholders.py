@@ -108,3 +108,33 @@ def _cpu() -> bool:
     from kvpager_kernels import cpu_build
 
     return cpu_build.available()
+
+
+@pytest.mark.parametrize("method", ["Execute", "ExecuteStream"])
+def test_a_step_naming_its_predecessor_runs_after_it_without_placeholders(serve, oracle, method):
+    """prev_step_id orders steps even when no token of the later one is a
+    placeholder (a prefill planned while a decode burst runs): arriving first,
+    it waits for its predecessor to be handed over, then runs after it."""
+    from kvpager.v1 import executor_pb2
+
+    import time
+
+    served = serve(CKPT)
+    plan = Plan(served)
+    plan.step_id = int(time.time() * 1000) << 8  # above any step this (shared) executor has been handed
+    a, b = [plan.new_seq(p) for p in prompts(2, [6, 4], seed=24)]
+    first = plan.request([(a, len(a.tokens))])
+    plan.sent_tables(first, [(a, len(a.tokens))])
+    a.num_computed = len(a.tokens)
+    second = plan.request([(b, len(b.tokens))])
+    second.prev_step_id = first.step_id
+    call = getattr(served.stub, method)
+    later = (call.future(second, timeout=60) if method == "Execute"
+             else served.stub.ExecuteStream(second, timeout=60))
+    time.sleep(0.2)  # the later step is at the executor, waiting
+    got_a = packed.unpack_i32(served.stub.Execute(first, timeout=60).sampled_token_ids)
+    resp = later.result() if method == "Execute" else list(later)[-1]
+    got_b = packed.unpack_i32(resp.sampled_token_ids)
+    assert [list(got_a), list(got_b)] == [oracle(CKPT).greedy(a.tokens, 1), oracle(CKPT).greedy(b.tokens, 1)]
+    confirm = served.stub.ConfirmPool(executor_pb2.ConfirmPoolRequest(), timeout=10)
+    assert confirm.last_step_id == second.step_id  # it ran last

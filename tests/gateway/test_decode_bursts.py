@@ -254,3 +254,42 @@ async def test_a_step_that_schedules_nothing_streams_first(stacks):
     idle = [pending for scheduled, pending in seen if not scheduled]
     assert idle and not any(idle), seen  # such Steps happened, and none held a delta back
     await bursts.wait_idle()
+
+
+async def test_a_step_planned_while_a_burst_runs_names_it(streamed, oracle):
+    """A request arriving mid-burst is prefilled in a step planned while the
+    burst runs: that Execute names the burst (prev_step_id) though it feeds no
+    placeholder, so the executor runs it after the burst whatever the order
+    the two calls reach it (a streamed burst's handler is a stream)."""
+    stack, _ = streamed
+    engine = stack.gateway.engine
+    executor = stack.executors[0].executor
+    forward = executor._run
+    ex = engine.executors["executor-0"]
+    real_execute = ex.execute
+    sent = []
+
+    async def spy(request, timeout_s=None, on_part=None):
+        sent.append((request.step_id, request.prev_step_id, request.decode_steps, on_part is not None))
+        return await real_execute(request, timeout_s, on_part)
+
+    def slow(*args):
+        time.sleep(0.01)
+        return forward(*args)
+
+    ex.execute, executor._run = spy, slow
+    engine.scheduler.max_burst_s = 1.0
+    try:
+        first, second = prompts(2, seed=28)
+        a = asyncio.ensure_future(generate(stack.gw, first, max_tokens=24, ignore_eos=True))
+        while not any(burst > 1 for _, _, burst, _ in sent):
+            await asyncio.sleep(0.005)
+        b = await generate(stack.gw, second, max_tokens=4, ignore_eos=True)
+        assert (await a)[0][0] == oracle.greedy(first, 24, min_new_tokens=24)
+        assert b[0][0] == oracle.greedy(second, 4, min_new_tokens=4)
+    finally:
+        ex.execute, executor._run = real_execute, forward
+        engine.scheduler.max_burst_s = 0.03
+    bursts = {step for step, _, burst, streamed in sent if burst > 1 and streamed}
+    assert bursts and any(prev in bursts and burst == 0 for _, prev, burst, _ in sent), sent
+    await stack.wait_idle()
