@@ -61,10 +61,10 @@ class Results:
         self.stats.tokens(sampled, time.perf_counter())
 
     def take_parts(self, calls: list, current: Callable[[str], object]) -> bool:
-        """The sub-steps come back of each executor's oldest call in flight
-        (``calls``: oldest first, each with ``ex``, ``rows``, ``parts``; an
-        executor's results go in step order); none of an executor no longer
-        ``current``. Whether any was taken."""
+        """Take the sub-steps come back for each executor's oldest call in
+        flight (``calls``: oldest first, each with ``ex``, ``rows``, ``parts``;
+        an executor's results go in step order), none for an executor no
+        longer ``current``. Whether any was taken."""
         seen: set[str] = set()
         taken = False
         for call in calls:

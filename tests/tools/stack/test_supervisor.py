@@ -211,6 +211,8 @@ def test_mutating_rpcs_refuse_calls_without_the_admin_token(up):
             for method, request in EXECUTOR_METHODS.items():
                 got = await _code(getattr(stub, method), request)
                 assert got == grpc.StatusCode.UNAUTHENTICATED, method
+            got = await _code(lambda req, **kw: stub.ExecuteStream(req, **kw).read(), executor_pb2.ExecuteRequest())
+            assert got == grpc.StatusCode.UNAUTHENTICATED  # the streamed Execute (a decode burst) too
             # Read-only accounting stays open on a loopback stack; the token opens the rest.
             assert await _code(memory.GetAccounting, memory_pb2.AccountingRequest()) == grpc.StatusCode.OK
             assert await _code(memory.ListExecutors, memory_pb2.ListExecutorsRequest()) == grpc.StatusCode.OK
