@@ -25,6 +25,9 @@ from kvpager.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, memory_pb2, me
 
 # Never acceptable from any service: a crash or an unmapped exception.
 FORBIDDEN_STATUSES = frozenset({"UNKNOWN", "INTERNAL"})
+# How long a service may take to report SERVING at a drill's end (a gateway's health follows
+# its executors by one poll of its readiness, 0.1 s; a request can finish within it).
+HEALTH_SETTLE_S = 2.0
 
 
 @dataclasses.dataclass
@@ -276,8 +279,10 @@ class DrillEnv:
                 return snap, time.monotonic() - t0
             await asyncio.sleep(0.02)
 
-    async def health(self) -> list[str]:
-        """Problems with the services: exited children, health not SERVING."""
+    async def health(self, settle_s: float = HEALTH_SETTLE_S) -> list[str]:
+        """Problems with the services: exited children, health not SERVING
+        within ``settle_s`` (a gateway's health follows its executors a poll
+        later: one that rejoined just before the end reports SERVING then)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         problems = []
@@ -285,13 +290,21 @@ class DrillEnv:
         if dead is not None:
             problems.append(f"{dead[0]} exited with code {dead[1]}")
         for child in self.stack.children:
+            deadline = time.monotonic() + settle_s
             async with self.clients.channel(child.address) as channel:
-                try:
-                    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                        problems.append(f"{child.name} health is {reply.status}")
-                except grpc.aio.AioRpcError as err:
-                    problems.append(f"{child.name} health check failed: {err.code().name}")
+                while True:
+                    try:
+                        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                                 timeout=5)
+                        problem = (None if reply.status == health_pb2.HealthCheckResponse.SERVING
+                                   else f"{child.name} health is {reply.status}")
+                    except grpc.aio.AioRpcError as err:
+                        problem = f"{child.name} health check failed: {err.code().name}"
+                    if problem is None or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.05)
+            if problem is not None:
+                problems.append(problem)
         return problems
 
     async def finish(self, result: DrillResult, *, baseline_timeout_s: float = 15.0) -> DrillResult:

@@ -7,6 +7,7 @@ malformed burst is refused and changes nothing."""
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 
 from executor_harness import Plan, prompts
@@ -141,7 +142,9 @@ def test_burst_streamed_sub_step_by_sub_step(serve):
     *parts, last = msgs
     assert [(m.partial, m.sub_step) for m in parts] == [(True, 0), (True, 1), (True, 2)]
     assert not last.partial and last.sampled_token_ids == whole.sampled_token_ids
-    assert last.sampled_logprobs == whole.sampled_logprobs
+    # other sequences' rows (same prompts and seeds) from a shared prefill: the same logprobs up to rounding
+    assert np.allclose(packed.unpack_f32(last.sampled_logprobs), packed.unpack_f32(whole.sampled_logprobs),
+                       rtol=1e-4, atol=1e-5)
     tokens, logprobs = packed.unpack_i32(last.sampled_token_ids), packed.unpack_f32(last.sampled_logprobs)
     starts = [0, 4, 6]
     for j, m in enumerate(parts):
