@@ -72,7 +72,12 @@ async def test_greedy_batch_bursts_and_matches_generate(stacks, oracle):
     dict(temperature=0.9, seed=13, n=2),
 ], ids=["seeded", "logprobs", "penalties", "top-logprobs", "min-tokens-bias", "n2"])
 async def test_sampling_is_the_same_in_bursts(stacks, kw):
-    got_bursts, got_plain = await both(stacks, prompts(4, seed=3), max_tokens=10, ignore_eos=True, **kw)
+    await same_as_single_steps(stacks, prompts(4, seed=3), kw)
+
+
+async def same_as_single_steps(pair, batch, kw) -> None:
+    """``pair``: (a stack that bursts, one that steps one token at a time): the same tokens and text."""
+    got_bursts, got_plain = await both(pair, batch, max_tokens=10, ignore_eos=True, **kw)
     for a, b in zip(got_bursts, got_plain):
         assert a.keys() == b.keys()
         for i in a:
@@ -82,8 +87,12 @@ async def test_sampling_is_the_same_in_bursts(stacks, kw):
 
 async def test_stop_token_mid_burst_ends_there_and_frees_blocks(stacks, oracle):
     """The burst computed past the stop: those tokens are discarded, never streamed."""
+    await stop_token_discards(stacks, oracle, seed=4)
+
+
+async def stop_token_discards(pair, oracle, seed: int) -> None:
     before = discarded()
-    await check_stop_token_mid_completion(stacks, oracle, prompts(4, seed=4), 12, first=3)
+    await check_stop_token_mid_completion(pair, oracle, prompts(4, seed=seed), 12, first=3)
     assert discarded() > before
 
 
@@ -173,19 +182,13 @@ async def test_streamed_bursts_match_generate(streamed, oracle):
 ], ids=["seeded", "logprobs", "n2"])
 async def test_sampling_is_the_same_in_streamed_bursts(streamed, kw):
     mid = streamed_mid_burst()
-    got_streamed, got_plain = await both(streamed, prompts(4, seed=24), max_tokens=10, ignore_eos=True, **kw)
+    await same_as_single_steps(streamed, prompts(4, seed=24), kw)
     assert streamed_mid_burst() > mid
-    for a, b in zip(got_streamed, got_plain):
-        assert a.keys() == b.keys()
-        for i in a:
-            assert a[i][0] == b[i][0] and a[i][1] == b[i][1]
 
 
 async def test_stop_token_mid_streamed_burst(streamed, oracle):
     """The stop comes in a sub-step: the request ends there, the rest of the burst is discarded."""
-    before = discarded()
-    await check_stop_token_mid_completion(streamed, oracle, prompts(4, seed=25), 12, first=3)
-    assert discarded() > before
+    await stop_token_discards(streamed, oracle, seed=25)
 
 
 async def test_stop_string_and_cancel_in_streamed_bursts(streamed):
