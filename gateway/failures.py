@@ -6,7 +6,9 @@ service 127.0.0.1:43435: appended: sequence 2382 was already freed"). Those
 go to the gateway's log, with the ids of the requests they ended; the client
 gets a status code and a generic message it can act on (UNAVAILABLE: retry;
 INTERNAL: a bug, the request was ended). The log lines are rate-limited per
-kind: a failing peer cannot make the gateway write at the rate it fails.
+kind, peer and status: a failing peer cannot make the gateway write at the
+rate it fails, and a different failure (another executor, another cause:
+a refused step after a crash) is not held back behind it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def for_client(exc: BaseException, unavailable: str) -> KvpagerError:
 
 
 class FailureLog:
-    """The details clients do not get, at most one line per kind every ``interval_s``."""
+    """The details clients do not get, at most one line per (kind, executor,
+    status) every ``interval_s``."""
 
     def __init__(self, interval_s: float = 10.0) -> None:
         self._limiter = LogLimiter(interval_s)
@@ -46,5 +49,6 @@ class FailureLog:
     def ended(self, kind: str, detail: BaseException | str, request_ids: list[str], **fields) -> None:
         message = detail.message if isinstance(detail, KvpagerError) else str(detail)
         ids = [clip(r, 40) for r in request_ids[:MAX_IDS_LOGGED]]
-        self._limiter.log(log.warning, kind, kind, error=clip(message, 400), requests_ended=len(request_ids),
+        key = (kind, fields.get("executor_id"), getattr(detail, "status", type(detail).__name__))
+        self._limiter.log(log.warning, key, kind, error=clip(message, 400), requests_ended=len(request_ids),
                           request_ids=ids, **fields)

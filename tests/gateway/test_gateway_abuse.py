@@ -215,3 +215,23 @@ async def test_internal_failures_map_to_generic_errors():
     assert (err.status, err.message, err.retry_after_s) == ("UNAVAILABLE", EXECUTOR_FAILED, 1.0)
     err = for_client(FailedPrecondition("executor e0 at 127.0.0.1:5: table of sequence 7 differs"), EXECUTOR_FAILED)
     assert (err.status, err.message) == ("INTERNAL", INTERNAL)
+
+
+async def test_a_different_failure_is_not_held_back_behind_a_logged_one(capfd):
+    """The failure log is rate-limited per kind, executor and status: a crash
+    logged, the same crash again is held back, but a refused step (another
+    status) or another executor's loss is logged within the interval."""
+    from gateway.failures import FailureLog
+    from kvpager.errors import FailedPrecondition, Unavailable
+
+    failures = FailureLog(interval_s=60.0)
+    capfd.readouterr()
+    failures.ended("executor lost", Unavailable("connection reset"), ["a"], executor_id="e0", status="UNAVAILABLE")
+    failures.ended("executor lost", Unavailable("connection reset"), ["b"], executor_id="e0", status="UNAVAILABLE")
+    failures.ended("executor lost", FailedPrecondition("step 7 takes its tokens from step 5"), ["c"],
+                   executor_id="e0", status="FAILED_PRECONDITION")
+    failures.ended("executor lost", Unavailable("connection reset"), ["d"], executor_id="e1", status="UNAVAILABLE")
+    captured = capfd.readouterr()
+    lines = [line for line in (captured.err + captured.out).splitlines() if "executor lost" in line]
+    assert len(lines) == 3, lines
+    assert "takes its tokens from step 5" in lines[1] and "e1" in lines[2]
