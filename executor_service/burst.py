@@ -138,8 +138,8 @@ def last_samples(step: StepInput, out: StepOutput) -> np.ndarray:
     return out.sampled_token_ids[row_starts(step.query_lens)[1:] - 1]
 
 
-# on_part(j, rows, out): sub-step j (not the last) ended; rows: the burst's rows it ran, out: their samples.
-OnPart = Callable[[int, np.ndarray, StepOutput], None]
+# on_part(j, out): sub-step j (not the last) ended; out: the samples of the rows still going in it, in row order.
+OnPart = Callable[[int, StepOutput], None]
 
 
 def run(step: StepInput, groups: list[Resolved], histories: dict,
@@ -160,7 +160,7 @@ def run(step: StepInput, groups: list[Resolved], histories: dict,
         out = run_one(sub, head, histories if j == 0 else {}, rest)
         parts.append((rows, out))
         if on_part is not None and j < last:
-            on_part(j, rows, out)
+            on_part(j, out)
         forward_s += out.forward_s
         sample_s += out.sample_s
         cache_ops_s += out.cache_ops_s

@@ -123,11 +123,17 @@ def step_from_proto(req: executor_pb2.ExecuteRequest) -> StepInput:
     )
 
 
+def _samples(out: StepOutput) -> dict[str, bytes]:
+    """The sampled tokens and their logprobs (when asked), packed."""
+    return dict(sampled_token_ids=out.sampled_token_ids.astype("<i4").tobytes(),
+                sampled_logprobs=(out.sampled_logprobs.astype("<f4").tobytes()
+                                  if out.sampled_logprobs is not None else b""))
+
+
 def response_from_output(out: StepOutput) -> executor_pb2.ExecuteResponse:
     return executor_pb2.ExecuteResponse(
         step_id=out.step_id,
-        sampled_token_ids=out.sampled_token_ids.astype("<i4").tobytes(),
-        sampled_logprobs=out.sampled_logprobs.astype("<f4").tobytes() if out.sampled_logprobs is not None else b"",
+        **_samples(out),
         top_offsets=out.top_offsets.astype("<i4").tobytes(),
         top_token_ids=out.top_token_ids.astype("<i4").tobytes(),
         top_logprobs=out.top_logprobs.astype("<f4").tobytes(),
@@ -139,10 +145,7 @@ def response_from_output(out: StepOutput) -> executor_pb2.ExecuteResponse:
 
 def partial_response(sub_step: int, out: StepOutput) -> executor_pb2.ExecuteResponse:
     """One burst sub-step's samples (ExecuteStream): its rows' tokens, in row order."""
-    return executor_pb2.ExecuteResponse(
-        step_id=out.step_id, partial=True, sub_step=sub_step,
-        sampled_token_ids=out.sampled_token_ids.astype("<i4").tobytes(),
-        sampled_logprobs=out.sampled_logprobs.astype("<f4").tobytes() if out.sampled_logprobs is not None else b"")
+    return executor_pb2.ExecuteResponse(step_id=out.step_id, partial=True, sub_step=sub_step, **_samples(out))
 
 
 # How long a step planned ahead waits for the step it follows to arrive.
@@ -183,7 +186,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         parts: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        def on_part(j: int, rows, out: StepOutput) -> None:  # on the step thread, in sub-step order
+        def on_part(j: int, out: StepOutput) -> None:  # on the step thread, in sub-step order
             loop.call_soon_threadsafe(parts.put_nowait, partial_response(j, out))
 
         # Handed over here, in the handler, as Execute does: steps reach the worker in the order they came.
