@@ -98,13 +98,13 @@ async def scrape(port: int, path: str = "/metrics") -> httpx.Response:
 
 async def load(stack) -> None:
     """Concurrent prompts sharing a prefix, long enough to overfill the pool
-    (preemption), one n = 2 (copy-on-write) and one over HTTP."""
+    (preemption), then one n = 2 (copy-on-write: on its own, so that no
+    preemption readmits its children unshared first) and one over HTTP."""
     prefix = list(range(10, 26))
     jobs = [generate(stack.gw, prefix + [40 + i] * 8, max_tokens=20, ignore_eos=True, request_id=f"load-{i}")
             for i in range(10)]
-    jobs.append(generate(stack.gw, list(range(50, 60)), max_tokens=6, n=2, seed=3, temperature=1.0,
-                         request_id="load-fork"))
     await asyncio.gather(*jobs)
+    await generate(stack.gw, list(range(50, 60)), max_tokens=6, n=2, seed=3, temperature=1.0, request_id="load-fork")
     async with httpx.AsyncClient(base_url=stack.gateway.http_url) as http:
         r = await http.post("/v1/completions", json={"prompt": PROMPT_TEXT, "max_tokens": 5},
                             headers={"X-Request-Id": "http-header-id"}, timeout=60)
