@@ -693,12 +693,26 @@ class MemoryMachine(RuleBasedStateMachine):
 def test_memory_manager_state_machine():
     start = RULES_RUN[0]
     stats_before = dict(STATS)
-    run_state_machine_as_test(MemoryMachine, settings=settings(
-        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+    def run(examples: int) -> None:
+        run_state_machine_as_test(MemoryMachine, settings=settings(
+            max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+    def seen() -> dict[str, int]:
+        return {k: v - stats_before[k] for k, v in STATS.items()}
+
+    run(EXAMPLES)
     ran = RULES_RUN[0] - start
-    seen = {k: v - stats_before[k] for k, v in STATS.items()}
-    print(f"\nstateful: {ran} rules over {EXAMPLES} examples; {seen}")
+    print(f"\nstateful: {ran} rules over {EXAMPLES} examples; {seen()}")
     assert ran >= EXAMPLES * 100, "fewer random operations than promised (100 per example)"
     if EXAMPLES >= 20:  # a degenerate machine that stopped exercising something fails here
-        assert all(seen.values()), seen
+        # Rare events (a cost-model decision needs the cost mode, a preemption
+        # and a swap that fits) may miss one random draw: a few more examples
+        # top the coverage up; a machine that never reaches one still fails.
+        for _ in range(3):
+            if all(seen().values()):
+                break
+            run(EXAMPLES // 4)
+            print(f"stateful: topped up; {seen()}")
+        assert all(seen().values()), seen()
