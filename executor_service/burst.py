@@ -16,6 +16,14 @@ without penalties or top logprobs (checked: ``check_burst``). Outputs come
 back row-major: row i's ``query_lens[i]`` samples in order; a caller may
 also take each sub-step's samples as it ends (``on_part``: ExecuteStream,
 so the gateway streams tokens the moment they are sampled).
+
+A burst may be cut short (``stop``: a later step is waiting behind it, sent
+with ``cut_prev``): it ends after the sub-step it is in, J of them run, and
+row i returns min(query_lens[i], J) samples. The decision is taken before
+that sub-step's samples go out as a part, so every part sent is followed
+by the sub-step that computes its token: what the gateway appends from
+parts is computed, and only the cut's last samples (in the whole response)
+are not.
 """
 
 from __future__ import annotations
@@ -115,9 +123,12 @@ def sub_step(step: StepInput, groups: list[Resolved], j: int, tokens: np.ndarray
 def gather(step: StepInput, parts: list[tuple[np.ndarray, StepOutput]], forward_s: float, sample_s: float,
            cache_ops_s: float) -> StepOutput:
     """The burst's output from its sub-steps' (rows, output): samples row-major
-    (row i's ``query_lens[i]`` in order), top logprobs from sub-step 0 (the
-    only one that may ask for them)."""
+    (row i's ``query_lens[i]`` in order, or as many as ran when cut short),
+    top logprobs from sub-step 0 (the only one that may ask for them)."""
     q = step.query_lens
+    cut = len(parts) if len(q) and len(parts) < int(q.max()) else 0
+    if cut:
+        q = np.minimum(q, cut)
     starts = row_starts(q)
     tokens = np.zeros(int(starts[-1]), np.int32)
     logprobs = np.zeros(int(starts[-1]), np.float32) if step.sampling.return_logprobs else None
@@ -130,12 +141,19 @@ def gather(step: StepInput, parts: list[tuple[np.ndarray, StepOutput]], forward_
     return StepOutput(step_id=step.step_id, sampled_token_ids=tokens, sampled_logprobs=logprobs,
                       top_offsets=first.top_offsets, top_token_ids=first.top_token_ids,
                       top_logprobs=first.top_logprobs, forward_s=forward_s, sample_s=sample_s,
-                      cache_ops_s=cache_ops_s)
+                      cache_ops_s=cache_ops_s, sub_steps_run=cut)
+
+
+def run_lens(step: StepInput, out: StepOutput) -> np.ndarray:
+    """int32 [n]: the tokens each row computed (and sampled): its query_lens,
+    or fewer when the burst was cut short."""
+    q = step.query_lens
+    return np.minimum(q, out.sub_steps_run).astype(q.dtype) if out.sub_steps_run else q
 
 
 def last_samples(step: StepInput, out: StepOutput) -> np.ndarray:
     """int32 [n]: each row's last sample (what a step planned ahead feeds it)."""
-    return out.sampled_token_ids[row_starts(step.query_lens)[1:] - 1]
+    return out.sampled_token_ids[row_starts(run_lens(step, out))[1:] - 1]
 
 
 # on_part(j, out): sub-step j (not the last) ended; out: the samples of the rows still going in it, in row order.
@@ -144,12 +162,13 @@ OnPart = Callable[[int, StepOutput], None]
 
 def run(step: StepInput, groups: list[Resolved], histories: dict,
         run_one: Callable[[StepInput, Resolved, dict, list[Resolved]], StepOutput],
-        on_part: OnPart | None = None) -> StepOutput:
+        on_part: OnPart | None = None, stop: Callable[[], bool] | None = None) -> StepOutput:
     """A checked, resolved and committed burst: ``run_one`` (the executor's
     one-forward step: cache ops, forward, sampling) on each sub-step while any
     row has tokens left, each fed what the one before sampled; ``on_part``
     hears of every sub-step but the last as it ends (the last one's samples
-    are in the returned whole)."""
+    are in the returned whole). ``stop``: asked after each sub-step but the
+    last, before its part goes out; true cuts the burst short there."""
     q = step.query_lens
     tokens = step.token_ids[row_starts(q)[:-1]]  # every row's first token
     parts: list[tuple[np.ndarray, StepOutput]] = []
@@ -159,10 +178,12 @@ def run(step: StepInput, groups: list[Resolved], histories: dict,
         sub, (head, *rest), rows = sub_step(step, groups, j, tokens)
         out = run_one(sub, head, histories if j == 0 else {}, rest)
         parts.append((rows, out))
-        if on_part is not None and j < last:
-            on_part(j, out)
         forward_s += out.forward_s
         sample_s += out.sample_s
         cache_ops_s += out.cache_ops_s
+        if j < last and stop is not None and stop():
+            break
+        if on_part is not None and j < last:
+            on_part(j, out)
         tokens = out.sampled_token_ids[q[rows] > j + 1]  # the rows that feed their sample into sub-step j + 1
     return gather(step, parts, forward_s, sample_s, cache_ops_s)

@@ -180,6 +180,7 @@ class Executor:
             incarnation=self.incarnation,
         )
         self._lock = threading.Lock()
+        self._cut_step = 0  # a decode burst to cut short after its current sub-step (request_cut)
         # Last: the graphs capture forwards over the finished pool (cuda_graphs.py).
         self.graphs = capture_decode_graphs(
             self.runner, self._kv_caches, self.backend, self._layer_groups, num_groups=1 + len(self.group_tables),
@@ -247,6 +248,15 @@ class Executor:
         confirmed = (self.confirm_pool(incarnation, pool_generation) and generation == self.pool_generation)
         return confirmed, last, written
 
+    def request_cut(self, step_id: int) -> None:
+        """Cut the decode burst ``step_id`` short after the sub-step it is in
+        (or its first, when it has not started): a step waits behind it. From
+        any thread; a step that is not a running burst ignores it. An executor
+        with a table per KV group never cuts (a window may have passed the
+        slots a cut would give back)."""
+        if not self.group_tables:
+            self._cut_step = step_id
+
     def execute(self, step: StepInput, on_part: burst.OnPart | None = None) -> StepOutput:
         """Run one step. Raises InvalidArgument / FailedPrecondition before
         touching anything, ResourceExhausted when memory runs out. ``on_part``:
@@ -271,10 +281,16 @@ class Executor:
             self.histories.commit(histories)
             try:
                 if step.decode_steps > 1:  # one-token forwards back to back (executor_service.burst)
-                    out = burst.run(step, [resolved, *extra], histories.rows, self._run, on_part)
+                    out = burst.run(step, [resolved, *extra], histories.rows, self._run, on_part,
+                                    lambda: self._cut_step == step.step_id)
+                    if out.sub_steps_run:  # cut short: the sub-steps not run computed nothing
+                        self.tables.uncompute(step.seq_ids, step.query_lens - burst.run_lens(step, out))
+                        metrics.BURSTS_CUT.labels(self.executor_id).inc()
                 else:
                     out = self._run(step, resolved, histories.rows, extra)
                 self.last_samples.record(step, out)
+                if self._cut_step == step.step_id:
+                    self._cut_step = 0  # heard (or too late): ids restart with another gateway
                 return out
             except Exception as exc:
                 # The pool may hold half-applied moves now: invalidate what

@@ -140,6 +140,7 @@ def response_from_output(out: StepOutput) -> executor_pb2.ExecuteResponse:
         forward_s=out.forward_s,
         sample_s=out.sample_s,
         cache_ops_s=out.cache_ops_s,
+        sub_steps_run=out.sub_steps_run,
     )
 
 
@@ -210,6 +211,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         except Exception:
             await self._handed_over(request.step_id)  # a step waiting for this one fails fast, not by timeout
             raise
+        if request.cut_prev and step.prev_step_id:
+            executor.request_cut(step.prev_step_id)  # this step waits one sub-step, not the rest of the burst
         if step.prev_step_id and self._submitted < step.prev_step_id:
             # Planned while its previous step ran: queue behind that step, which
             # another call is bringing (the gateway sent it first).

@@ -125,6 +125,9 @@ class StepOutput:
     forward_s: float = 0.0
     sample_s: float = 0.0
     cache_ops_s: float = 0.0
+    # A decode burst cut short: the sub-steps it ran (row i sampled
+    # min(query_lens[i], sub_steps_run) tokens); 0: not cut.
+    sub_steps_run: int = 0
 
 
 @dataclass(frozen=True, slots=True)

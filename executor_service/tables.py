@@ -323,6 +323,14 @@ class BlockTables:
         self._computed[row_ids] += query_lens.astype(np.int64)
         self._last_rows = (seq_ids.copy(), row_ids)
 
+    def uncompute(self, seq_ids: np.ndarray, counts: np.ndarray) -> None:
+        """The last committed step computed ``counts`` fewer tokens of each of
+        ``seq_ids`` (live rows) than it said: a decode burst cut short."""
+        rows = self._rows
+        for seq_id, n in zip(seq_ids.tolist(), counts.tolist()):
+            if n:
+                self._computed[rows[seq_id]] -= n
+
     def _row(self) -> int:
         if not self._free:
             old = len(self._tables)

@@ -253,6 +253,20 @@ class ExecutorKV:
         if seq.status is SeqStatus.RUNNING and seq.num_computed // self.block_size > seq.num_cached_blocks:
             self.commit(seq, 0)
 
+    def cut(self, seq: Sequence, num_computed: int) -> int:
+        """A decode burst ended early: only ``num_computed`` (fewer) tokens of
+        the RUNNING ``seq`` are computed. The blocks past them go back and the
+        executor's table is cut to match. Returns the blocks freed."""
+        keep = _cdiv(num_computed, self.block_size)
+        seq.num_computed = num_computed
+        tail = seq.blocks[keep:]
+        if not tail:
+            return 0
+        del seq.blocks[keep:]
+        del seq.block_ids[keep:]
+        self.tables.extend(seq.seq_id, keep, ())
+        return self.pool.free(tail)
+
     def pool_tokens(self) -> int:
         """The longest sequence the pool can ever hold."""
         return self.spec.num_blocks * self.block_size

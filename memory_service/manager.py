@@ -189,6 +189,7 @@ class MemoryManager:
         for parent_id, children in step.forks:
             self._fork(parent_id, children)
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
+        cut = set(step.cut_seq_ids)
         for i, seq_id in enumerate(ids):
             seq = self.seqs[seq_id]
             chunk = toks[offs[i]:offs[i + 1]]
@@ -200,8 +201,11 @@ class MemoryManager:
                 seq.num_pending -= k
                 self.validator.pending_total -= k
                 chunk = chunk[k:]
-                self.executors[seq.executor_id].index_known(seq)
+                if seq_id not in cut:  # a cut one is indexed once its computed count is cut
+                    self.executors[seq.executor_id].index_known(seq)
             seq.token_ids.extend(chunk)
+        for seq_id in step.cut_seq_ids:
+            self._cut(self.seqs[seq_id])
         for seq_id in step.free_seq_ids:
             self._free(seq_id)
         for seq_id in step.abort_seq_ids:
@@ -218,6 +222,17 @@ class MemoryManager:
             seq.num_pending += 1
             self.validator.pending_total += 1
         return rejected
+
+    def _cut(self, seq: Sequence) -> None:
+        """Its burst was cut short: the placeholders left go; its tokens but the
+        last (sampled by the last sub-step that ran) are computed."""
+        if seq.num_pending:
+            del seq.token_ids[-seq.num_pending:]
+            self.validator.pending_total -= seq.num_pending
+            seq.num_pending = 0
+        kv = self.executors[seq.executor_id]
+        kv.cut(seq, len(seq.token_ids) - 1)
+        kv.index_known(seq)
 
     def _create(self, new: NewSeq) -> Rejected | None:
         kv = self.executors[new.executor_id]

@@ -51,6 +51,9 @@ class StepInput:
     # ahead in this step (a decode burst): granted, they join it as
     # placeholders computed now, which later appends replace.
     schedule_lookahead: array | list[int] = field(default_factory=list)
+    # RUNNING sequences whose decode burst an executor cut short: the
+    # placeholders left go, only their tokens but the last stay computed.
+    cut_seq_ids: array | list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

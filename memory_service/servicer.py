@@ -99,6 +99,7 @@ def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
         schedule_num_tokens=unpack_i32(req.schedule_num_tokens, "schedule_num_tokens"),
         pending_seq_ids=unpack_i64(req.pending_seq_ids, "pending_seq_ids"),
         schedule_lookahead=unpack_i32(req.schedule_lookahead, "schedule_lookahead"),
+        cut_seq_ids=unpack_i64(req.cut_seq_ids, "cut_seq_ids"),
     )
 
 

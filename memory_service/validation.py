@@ -88,7 +88,7 @@ class StepValidator:
         anything else or anything in it is wrong (then ``check`` decides).
         Changes nothing."""
         if step.forks or step.free_seq_ids or step.abort_seq_ids or step.new_seqs or step.pending_seq_ids \
-                or self.pending_total or step.schedule_lookahead:
+                or self.pending_total or step.schedule_lookahead or step.cut_seq_ids:
             return None  # placeholders to add or replace: the general path
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
         sids, nums = step.schedule_seq_ids, step.schedule_num_tokens
@@ -250,7 +250,8 @@ class StepValidator:
                                              "tokens not yet known")
                 if seq.num_tokens + appended.get(seq_id, 0) - replaced + 1 > seq.token_limit:
                     raise InvalidArgument(f"pending: sequence {seq_id} is at its limit of {seq.token_limit} tokens")
-        self._check_lookahead(step, live, appended, pending, created, gone)
+        cuts = self._check_cuts(step, live, appended, pending, gone)
+        self._check_lookahead(step, live, appended, pending, created, gone, cuts)
         waiting = SeqStatus.WAITING
         for seq_id in sids:
             base = live.get(seq_id)
@@ -265,12 +266,44 @@ class StepValidator:
                 if base.seq_id == seq_id:
                     extra -= min(extra, base.num_pending)
                 remaining = base.num_tokens + extra + (seq_id in pending) - base.num_computed
+                if seq_id in cuts:
+                    remaining = 1  # its last token, computed by no sub-step
                 if remaining < 1:
                     raise InvalidArgument(f"schedule: sequence {seq_id} has no token left to compute "
                                           "(append the sampled token first)")
 
+    def _check_cuts(self, step: StepInput, live: dict[int, Sequence], appended: dict[int, int], pending: set[int],
+                    gone: set[int]) -> dict[int, int]:
+        """Sequences whose burst was cut short -> their tokens after this
+        step's appends and the cut (all computed but the last). A cut gives
+        back at least one computed token, never one of a block the prefix
+        index holds (other sequences may read it), and only on an executor
+        with one table for all layers."""
+        cuts: dict[int, int] = {}
+        for seq_id in step.cut_seq_ids:
+            seq = live.get(seq_id)
+            if seq_id in cuts:
+                raise InvalidArgument(f"cut: sequence {seq_id} appears twice")
+            if seq is None or seq_id in gone:
+                raise self.missing(seq_id, "cut")
+            if seq.status is not SeqStatus.RUNNING or seq_id in pending:
+                raise FailedPrecondition(f"cut: sequence {seq_id} is not a running burst's")
+            kv = self._executor(seq.executor_id)
+            if kv.grouped:
+                raise FailedPrecondition(f"cut: sequence {seq_id} is on an executor with a table per KV group")
+            tokens = seq.num_tokens - seq.num_pending + appended.get(seq_id, 0)
+            if not tokens - 1 < seq.num_computed:
+                raise FailedPrecondition(f"cut: sequence {seq_id} has {seq.num_computed} tokens computed, "
+                                         f"nothing past its {tokens - 1} to give back")
+            if tokens - 1 < seq.num_cached_blocks * kv.block_size or tokens <= seq.num_prompt_tokens:
+                raise FailedPrecondition(f"cut: sequence {seq_id} would give back computed tokens of its prompt "
+                                         "or of blocks the prefix index holds")
+            cuts[seq_id] = tokens
+        return cuts
+
     def _check_lookahead(self, step: StepInput, live: dict[int, Sequence], appended: dict[int, int],
-                         pending: set[int], created: dict[int, int], gone: set[int]) -> None:
+                         pending: set[int], created: dict[int, int], gone: set[int],
+                         cuts: dict[int, int]) -> None:
         """A lookahead (decode burst) is for a RUNNING sequence scheduled for
         all its tokens not yet computed, within its token and placeholder limits.
         A child forked in this step is its parent's copy (a fork needs a parent
@@ -294,9 +327,12 @@ class StepValidator:
             extra = appended.get(seq_id, 0)
             replaced = min(extra, seq.num_pending) if seq.seq_id == seq_id else 0
             tokens = seq.num_tokens + extra - replaced + (seq_id in pending)
-            if k != tokens - seq.num_computed:
+            computed = seq.num_computed
+            if seq_id in cuts:  # its placeholders go; its last token is not computed
+                tokens, computed, replaced = cuts[seq_id], cuts[seq_id] - 1, seq.num_pending
+            if k != tokens - computed:
                 raise InvalidArgument(f"schedule: sequence {seq_id} samples ahead, so it computes all its "
-                                      f"{tokens - seq.num_computed} tokens not yet computed, not {k}")
+                                      f"{tokens - computed} tokens not yet computed, not {k}")
             if tokens + m > seq.token_limit:
                 raise InvalidArgument(f"schedule: sequence {seq_id} would pass its limit of {seq.token_limit} "
                                       f"tokens sampling {m} ahead")

@@ -46,7 +46,7 @@ class SamplingBatch(_message.Message):
     def __init__(self, num_samples: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., num_top_logprobs: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., min_p: _Optional[bytes] = ..., logit_bias_offsets: _Optional[bytes] = ..., logit_bias_token_ids: _Optional[bytes] = ..., logit_bias_values: _Optional[bytes] = ..., prompt_lens: _Optional[bytes] = ..., history_offsets: _Optional[bytes] = ..., history_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "incarnation", "plan", "context_lens", "token_ids", "sampling", "prev_step_id", "decode_steps")
+    __slots__ = ("step_id", "incarnation", "plan", "context_lens", "token_ids", "sampling", "prev_step_id", "decode_steps", "cut_prev")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class ExecuteRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREV_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CUT_PREV_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     incarnation: int
     plan: _common_pb2.ExecutorPlan
@@ -63,10 +64,11 @@ class ExecuteRequest(_message.Message):
     sampling: SamplingBatch
     prev_step_id: int
     decode_steps: int
-    def __init__(self, step_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.ExecutorPlan, _Mapping]] = ..., context_lens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., prev_step_id: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+    cut_prev: bool
+    def __init__(self, step_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.ExecutorPlan, _Mapping]] = ..., context_lens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., prev_step_id: _Optional[int] = ..., decode_steps: _Optional[int] = ..., cut_prev: _Optional[bool] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_offsets", "top_token_ids", "top_logprobs", "forward_s", "sample_s", "cache_ops_s", "partial", "sub_step")
+    __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_offsets", "top_token_ids", "top_logprobs", "forward_s", "sample_s", "cache_ops_s", "partial", "sub_step", "sub_steps_run")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,7 @@ class ExecuteResponse(_message.Message):
     CACHE_OPS_S_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     SUB_STEP_FIELD_NUMBER: _ClassVar[int]
+    SUB_STEPS_RUN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: bytes
     sampled_logprobs: bytes
@@ -89,7 +92,8 @@ class ExecuteResponse(_message.Message):
     cache_ops_s: float
     partial: bool
     sub_step: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., top_offsets: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., forward_s: _Optional[float] = ..., sample_s: _Optional[float] = ..., cache_ops_s: _Optional[float] = ..., partial: _Optional[bool] = ..., sub_step: _Optional[int] = ...) -> None: ...
+    sub_steps_run: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., top_offsets: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., forward_s: _Optional[float] = ..., sample_s: _Optional[float] = ..., cache_ops_s: _Optional[float] = ..., partial: _Optional[bool] = ..., sub_step: _Optional[int] = ..., sub_steps_run: _Optional[int] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

@@ -162,3 +162,62 @@ def test_stream_of_a_plain_step_is_one_message(serve, oracle):
     [msg] = list(served.stub.ExecuteStream(req, timeout=60))
     assert not msg.partial
     assert list(packed.unpack_i32(msg.sampled_token_ids)) == oracle(CKPT).greedy(seq.tokens, 1)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_burst_is_cut_short_by_a_step_waiting_behind_it(serve, oracle, streamed):
+    """A step sent with cut_prev while a burst runs ends that burst after the
+    sub-step it is in: the burst returns what it ran (sub_steps_run; parts
+    only of sub-steps that were followed by another), its rows' tables count
+    only what was computed, and every sequence, cut or not, goes on exactly."""
+    import time
+
+    served = serve(CKPT)
+    runner = served.executor.runner
+    forward = runner.forward
+    plan = Plan(served)
+    ps = prompts(3, [6, 9, 4], seed=37)
+    seqs = [plan.new_seq(p) for p in ps]
+    lens = [len(s.tokens) for s in seqs]
+    plan.prefill(seqs)
+    bursting, waiting = seqs[:2], seqs[2]
+    items = [(bursting[0], 8), (bursting[1], 3)]
+    req = _burst_request(plan, items, 8)
+
+    def slow(*args):
+        time.sleep(0.1)  # a burst of 8 takes 0.8 s: the step behind comes well inside it
+        return forward(*args)
+
+    runner.forward = slow
+    try:
+        call = (served.stub.ExecuteStream if streamed else served.stub.Execute.future)(req, timeout=120)
+        time.sleep(0.15)  # a sub-step or two in
+        behind = plan.request([(waiting, 1)])
+        behind.prev_step_id, behind.cut_prev = req.step_id, True
+        after = served.stub.Execute.future(behind, timeout=120)
+        msgs = list(call) if streamed else [call.result()]
+        resp = msgs[-1]
+        after = after.result()
+    finally:
+        runner.forward = forward
+    cut = resp.sub_steps_run
+    assert 1 <= cut < 8, cut
+    if streamed:
+        assert [(m.partial, m.sub_step) for m in msgs[:-1]] == [(True, j) for j in range(cut - 1)], msgs
+        # (the cut sub-step's part never went out)
+    plan.sent_tables(req, items)
+    sampled = list(packed.unpack_i32(resp.sampled_token_ids))
+    assert len(sampled) == min(8, cut) + min(3, cut)
+    pos = 0
+    for seq, q in items:
+        n = min(q, cut)
+        seq.num_computed += n
+        seq.tokens.extend(sampled[pos:pos + n])
+        plan.sent[seq.seq_id] = (list(seq.blocks), seq.num_computed)  # what the executor's table counts now
+        pos += n
+    plan.sent_tables(behind, [(waiting, 1)])
+    waiting.num_computed += 1
+    waiting.tokens.extend(packed.unpack_i32(after.sampled_token_ids))
+    plan.decode(seqs, 3)  # context lens as the executor counts them: refused were they not
+    for s, n in zip(seqs, lens):
+        assert s.tokens[n:] == oracle(CKPT).greedy(s.tokens[:n], len(s.tokens) - n)

@@ -142,3 +142,81 @@ def test_children_forked_in_the_step_burst_at_once():
         m.step(StepInput(step_id=4, forks=[(1, [4])], free_seq_ids=[4], schedule_seq_ids=[4],
                          schedule_num_tokens=[1], schedule_lookahead=[1]))
     assert m.check_invariants() == []
+
+
+def _tables(out) -> list[tuple[int, int, list[int]]]:
+    """(seq, first index, block ids) of every table extend in the plans."""
+    found = []
+    for p in out.executor_plans:
+        t = p.tables
+        for i, seq_id in enumerate(t.extended_seq_ids):
+            found.append((seq_id, t.extended_first_index[i],
+                          list(t.extended_block_ids[t.extended_offsets[i]:t.extended_offsets[i + 1]])))
+    return found
+
+
+def test_a_burst_cut_short_gives_back_what_it_did_not_compute():
+    """An executor ran 2 of a burst's 8 sub-steps (a step was waiting behind
+    it): the step that appends the 2 samples cuts it. The placeholders left
+    go, its last sample is not computed, the blocks past it return (the
+    executor's table cut to match), and it leaves what a step-by-step run
+    leaves; it runs again in the same step."""
+    prompt, sampled = [5, 6, 7], [11, 12, 13]
+    plain = _manager()
+    _prefill(plain, 1, prompt, 1)
+    for i, tok in enumerate(sampled[:-1]):
+        plain.step(StepInput(step_id=2 + i, schedule_seq_ids=[1], schedule_num_tokens=[1], **_app({1: [tok]})))
+    plain.step(StepInput(step_id=9, **_app({1: sampled[-1:]})))
+    m = _manager()
+    _prefill(m, 1, prompt, 1)
+    free_before = m.executors["e0"].pool.num_free
+    m.step(StepInput(step_id=2, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[7],
+                     **_app({1: [11]})))  # 11 and 7 placeholders computed: 11 tokens, 3 blocks
+    seq = m.seqs[1]
+    assert seq.num_computed == 11 and len(seq.blocks) == 3 and seq.num_pending == 7
+    # 2 sub-steps ran: 12 and 13 sampled (13 not computed); the others never ran
+    out = m.step(StepInput(step_id=3, cut_seq_ids=[1], **_app({1: [12, 13]})))
+    assert seq.token_ids == prompt + sampled and seq.num_pending == 0 and m.validator.pending_total == 0
+    assert seq.num_computed == 5 and len(seq.blocks) == 2
+    assert m.executors["e0"].pool.num_free == free_before - 1 and not out.executor_plans
+    a = plain.seqs[1]
+    assert (a.token_ids, a.num_computed, a.num_cached_blocks, a.block_hashes) == \
+        (seq.token_ids, seq.num_computed, seq.num_cached_blocks, seq.block_hashes)
+    assert sorted(plain.executors["e0"].pool.cached) == sorted(m.executors["e0"].pool.cached)
+    assert m.check_invariants() == []
+    # 13 is computed by the next burst; cut again with its last samples, and scheduled (a burst again) in one step
+    out = m.step(StepInput(step_id=4, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[3]))
+    # its next plan cuts the executor's table to 2 blocks, then extends it by one
+    (_, _, []), (_, _, [block]) = _tables(out)
+    assert _tables(out) == [(1, 2, []), (1, 2, [block])] and seq.block_ids[2] == block
+    out = m.step(StepInput(step_id=5, cut_seq_ids=[1], schedule_seq_ids=[1], schedule_num_tokens=[1],
+                           schedule_lookahead=[2], **_app({1: [14, 15]})))
+    assert _rows(out) == [(1, 3)]
+    assert seq.token_ids == prompt + sampled + [14, 15, PLACEHOLDER, PLACEHOLDER] and seq.num_computed == 10
+    assert m.check_invariants() == []
+
+
+def test_bad_cuts_fail_whole_and_change_nothing():
+    m = _manager()
+    _prefill(m, 1, [1, 2, 3, 4, 5, 6, 7], 1)
+    m.step(StepInput(step_id=2, new_seqs=[NewSeq(2, "e0", [3, 4, 5])]))  # waiting, never scheduled
+    m.step(StepInput(step_id=3, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[3],
+                     **_app({1: [8]})))
+    cases = [
+        (StepInput(step_id=4, cut_seq_ids=[9], **_app({1: [9]})), Exception, "unknown sequence 9"),
+        (StepInput(step_id=4, cut_seq_ids=[2], **_app({1: [9]})), FailedPrecondition, "not a running"),
+        (StepInput(step_id=4, cut_seq_ids=[1, 1], **_app({1: [9]})), InvalidArgument, "twice"),
+        (StepInput(step_id=4, cut_seq_ids=[1], free_seq_ids=[1], **_app({1: [9]})), Exception, "sequence 1"),
+        # all four samples back: nothing was cut
+        (StepInput(step_id=4, cut_seq_ids=[1], **_app({1: [9, 10, 11, 12]})), FailedPrecondition, "nothing past"),
+        # no sample back: token 8 would lose its slot in block 1 (5 6 7 8), which the prefix index holds
+        (StepInput(step_id=4, cut_seq_ids=[1], **_app({})), FailedPrecondition, "prompt or of blocks"),
+    ]
+    for step, error, text in cases:
+        seq = m.seqs[1]
+        before = (list(seq.token_ids), seq.num_pending, seq.num_computed, len(seq.blocks), m.validator.pending_total)
+        with pytest.raises(error, match=text):
+            m.step(step)
+        assert (list(seq.token_ids), seq.num_pending, seq.num_computed, len(seq.blocks),
+                m.validator.pending_total) == before
+    assert m.check_invariants() == []
