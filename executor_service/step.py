@@ -107,9 +107,7 @@ class StepInput:
     incarnation: int = 0             # 0 = unchecked
     cache_ops: CacheOps = field(default_factory=CacheOps)
     sampling: Sampling = field(default_factory=Sampling)
-    # The step whose one-token samples fill this step's placeholder tokens (-1);
-    # 0 = none (executor_service.placeholders).
-    prev_step_id: int = 0
+    prev_step_id: int = 0  # the step whose samples fill its placeholders (-1); 0: none (executor_service.placeholders)
     # > 1: a decode burst of up to this many one-token forwards (executor_service.burst).
     decode_steps: int = 0
 
@@ -125,9 +123,7 @@ class StepOutput:
     forward_s: float = 0.0
     sample_s: float = 0.0
     cache_ops_s: float = 0.0
-    # A decode burst cut short: the sub-steps it ran (row i sampled
-    # min(query_lens[i], sub_steps_run) tokens); 0: not cut.
-    sub_steps_run: int = 0
+    sub_steps_run: int = 0  # a burst cut short: the sub-steps it ran (executor_service.burst); 0: not cut
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,10 +7,15 @@ allocates the slots in one plan (``schedule_lookahead``). One Step and one
 Execute then serve K tokens per sequence: the control plane's cost per
 token drops K-fold. The price is what multi-step always costs: a stop
 string or token found mid-burst wastes the rest of that burst's forwards
-for that sequence (discarded, never streamed), a sequence that ends inside
-a burst is answered at the burst's end, and a request arriving mid-burst
-waits for the burst's end to be admitted (bursts only run while nothing
-waits to prefill).
+for that sequence (discarded, never streamed) and a sequence that ends
+inside a burst is answered at the burst's end. A request arriving
+mid-burst does not wait for its end: the step that prefills it is planned
+at once, names the burst (``prev_step_id``) and cuts it short (``cut_prev``,
+``may_cut``; ``--no-cut-bursts``: off): the executor ends the burst after
+the forward it is in and runs the prefill next; the burst's rows get the
+tokens it sampled, and the next Step gives the memory service back the
+slots it did not compute (``Changes.cut``). Bursts only run while nothing
+waits to prefill.
 
 A row samples ahead only when every token of the burst samples the same way
 it would one step at a time: one completion (not a beam, not the first
@@ -28,10 +33,11 @@ and checks them for stops). One reading only the end (non-streaming HTTP,
 offline batches) gets a burst answered whole, in one message.
 
 Nor is it longer, in time, than ``max_burst_ms`` of the executor's measured
-one-token forwards (``DecodeClock``): a request arriving mid-burst waits
-about that long at most to be admitted, on a small model (8 tokens of a 30M
-model, ~5 ms each) and on a large one (a 0.5B model's 45 ms forwards: no
-burst at 30 ms) alike. An executor not measured yet does not burst.
+one-token forwards (``DecodeClock``): what a request arriving mid-burst
+waits at most where bursts are not cut (an executor with a table per KV
+group never cuts), on a small model (8 tokens of a 30M model, ~5 ms each)
+and on a large one (a 0.5B model's 45 ms forwards: no burst at 30 ms)
+alike. An executor not measured yet does not burst.
 """
 
 from __future__ import annotations
@@ -55,12 +61,13 @@ class DecodeClock:
     alpha: float = 0.2
     seconds: dict[str, float] = field(default_factory=dict)  # executor id -> seconds per forward
 
-    def observe(self, executor_id: str, rows, forward_s: float, sample_s: float) -> None:
+    def observe(self, executor_id: str, rows, forward_s: float, sample_s: float, ran: int = 0) -> None:
         """``rows`` (gateway.wire.Row) came back with these timers; only a step
-        whose every row computes one known token plus its burst counts."""
+        whose every row computes one known token plus its burst counts.
+        ``ran``: the sub-steps a burst cut short ran (0: all)."""
         if not rows or any(r.num_samples != 1 or len(r.token_ids) != 1 + r.burst for r in rows):
             return
-        s = (forward_s + sample_s) / (1 + max(r.burst for r in rows))
+        s = (forward_s + sample_s) / (ran or 1 + max(r.burst for r in rows))
         old = self.seconds.get(executor_id)
         self.seconds[executor_id] = s if old is None else old + self.alpha * (s - old)
 
@@ -68,6 +75,18 @@ class DecodeClock:
         """Executor id -> the longest burst (1: none) within ``max_burst_s``."""
         return {eid: max(1, min(max_steps, int(max_burst_s / s))) if s > 0 else max_steps
                 for eid, s in self.seconds.items()}
+
+
+def may_cut(burst_rows: list, rows: list, preempted: set[int]) -> bool:
+    """Whether a step (``rows``) planned while a burst (``burst_rows``) runs on
+    its executor may cut that burst short: when it prefills (a request that
+    arrived, a chunk of a long prompt), not when it only decodes other
+    sequences (two groups of decodes take turns while plan-ahead hides each
+    one's planning; cutting each other's bursts, neither would burst), and
+    not when its plan preempted one of the burst's sequences (their blocks
+    are already moving)."""
+    return any(r.burst for r in burst_rows) and any(len(r.token_ids) - r.burst > 1 for r in rows) \
+        and not any(r.seq.seq_id in preempted for r in burst_rows)
 
 
 def room(seq: Seq, fed: bool, max_model_len: int) -> int:

@@ -92,7 +92,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 # The scheduling flags' destinations: `kvpager up` offers the same group and passes each one on.
 SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "stream_interval", "plan_ahead",
-                    "num_scheduler_steps", "max_burst_ms")
+                    "num_scheduler_steps", "max_burst_ms", "cut_bursts")
 
 
 def positive_int(text: str) -> int:
@@ -142,14 +142,16 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-scheduler-steps", type=scheduler_steps, default=8,
                    help="decode bursts: an executor running only decodes computes up to this many tokens per "
                         "sequence in one step, each forward fed its own last sample (as vLLM's multi-step "
-                        "scheduling; at most 64), for requests that do not stream every token (a burst never "
-                        "delays a streamed delta). Fewer Step and Execute round trips per token; a stop "
-                        "mid-burst wastes the rest of it, and a new request waits for the burst to end "
+                        "scheduling; at most 64; a burst never delays a streamed delta). Fewer Step and "
+                        "Execute round trips per token; a stop mid-burst wastes the rest of it "
                         "(default 8; 1: off)")
     g.add_argument("--max-burst-ms", type=non_negative_float, default=30.0,
-                   help="the longest decode burst, in the executor's measured forward times: what a request "
-                        "arriving mid-burst may wait to be admitted (default 30; a model whose one-token "
-                        "forward takes longer does not burst)")
+                   help="the longest decode burst, in the executor's measured forward times (default 30; a "
+                        "model whose one-token forward takes longer does not burst)")
+    g.add_argument("--no-cut-bursts", dest="cut_bursts", action="store_false",
+                   help="let a decode burst run to its end when a request arrives (default: the burst ends "
+                        "after the forward it is in, the request's prefill runs next, and the tokens it did "
+                        "not sample are given back)")
     g.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
                    help="plan each step only after the previous one returned (default: the next step of an "
                         "executor is planned and sent while its current one runs)")
@@ -163,6 +165,8 @@ def scheduling_argv(args: argparse.Namespace) -> list[str]:
             "--num-scheduler-steps", str(args.num_scheduler_steps), "--max-burst-ms", f"{args.max_burst_ms:g}"]
     if not args.plan_ahead:
         argv.append("--no-plan-ahead")
+    if not args.cut_bursts:
+        argv.append("--no-cut-bursts")
     return argv
 
 
@@ -217,7 +221,7 @@ def config_from_args(args: argparse.Namespace):
                                              stream_interval=args.stream_interval,
                                              step_timeout_s=args.step_timeout_s, plan_ahead=args.plan_ahead,
                                              num_scheduler_steps=args.num_scheduler_steps,
-                                             max_burst_ms=args.max_burst_ms,
+                                             max_burst_ms=args.max_burst_ms, cut_bursts=args.cut_bursts,
                                              executor_info_timeout_s=args.executor_info_timeout_s,
                                              caps=caps, recovery=RecoveryConfig(args.max_retries,
                                                                                 args.recovery_timeout_s)),

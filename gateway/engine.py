@@ -27,6 +27,7 @@ from kvpager.telemetry import get_logger
 from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
 from gateway import failures, metrics, wire
 from gateway.beam import BeamSearch
+from gateway.bursts import may_cut
 from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
 from gateway.engine_config import EngineConfig
@@ -135,11 +136,7 @@ class Engine:
         self._wake.set()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for call in self._inflight:
             call.task.cancel()
         self._inflight = []
@@ -289,15 +286,16 @@ class Engine:
             seq.created = True
         self.recovery.step_ok(batch.new)
         t_plan = time.perf_counter()
-        self._apply_outcomes(plan)
+        preempted = self._apply_outcomes(plan)
         for ep in plan.executor_plans:
             ex = self.executors.get(ep.executor_id)
             if ex is None or not ex.alive or not wire.has_work(ep):
                 continue
             rows = self._rows(ep)
-            # The step running on this executor, whose samples fill this one's placeholders.
-            prev = next((c.step_id for c in reversed(self._inflight) if c.ex is ex), 0)
-            request = wire.execute_request(self._step_id, ex.incarnation, ep, rows, prev)
+            # The step running on this executor, whose samples fill this one's placeholders (a burst: cut short).
+            prev = next((c for c in reversed(self._inflight) if c.ex is ex), None)
+            cut = prev is not None and self.config.cut_bursts and may_cut(prev.rows, rows, preempted)
+            request = wire.execute_request(self._step_id, ex.incarnation, ep, rows, prev.step_id if prev else 0, cut)
             parts: list = []  # its clients get each sub-step's tokens as it ends (streamed) or with the whole
             on_part = functools.partial(self._part_came, parts) if ep.executor_id in batch.streamed else None
             task = asyncio.ensure_future(ex.execute(request, self.config.step_timeout_s, on_part))
@@ -306,13 +304,16 @@ class Engine:
         metrics.STEP_SECONDS.labels("plan").observe(t_plan - t0)
         metrics.SCHEDULED_SEQS.observe(len(batch.seqs))
 
-    def _apply_outcomes(self, plan: memory_pb2.StepPlan) -> None:
+    def _apply_outcomes(self, plan: memory_pb2.StepPlan) -> set[int]:
+        """Rejections and preemptions applied; returns the preempted ids."""
+        preempted = set()
         for rej in wire.rejections(plan):
             seq = self.sequences.get(rej.seq_id)
             if seq is not None:
                 seq.created = False
                 self.requests.fail(seq.request, rej.error)
         for seq_id, swapped in wire.preemptions(plan):
+            preempted.add(seq_id)
             seq = self.sequences.get(seq_id)
             if seq is None:
                 continue
@@ -322,6 +323,7 @@ class Engine:
             else:
                 seq.status = SeqStatus.WAITING
                 seq.num_computed = 0
+        return preempted
 
     def _rows(self, ep: common_pb2.ExecutorPlan) -> list[wire.Row]:
         return self._row_builder.rows(ep, self.sequences.seqs, max_model_len=self.executors.limits.max_model_len,
@@ -374,7 +376,8 @@ class Engine:
             self._lose_executor(ex, exc if isinstance(exc, KvpagerError) else Unavailable(repr(exc)),
                                 deregister=True)
             return
-        self.scheduler.clock.observe(ex.executor_id, call.rows, task.result().forward_s, task.result().sample_s)
+        out = task.result()
+        self.scheduler.clock.observe(ex.executor_id, call.rows, out.forward_s, out.sample_s, out.sub_steps_run)
         self.results.whole(call.rows, task.result())
 
     async def _drain(self) -> None:

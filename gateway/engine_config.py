@@ -29,6 +29,8 @@ class EngineConfig:
     # stream every token, each burst at most max_burst_ms of the executor's measured forwards.
     num_scheduler_steps: int = 8
     max_burst_ms: float = 30.0
+    # A step planned while a burst runs on its executor (a request arrived) cuts that burst short.
+    cut_bursts: bool = True
     caps: RequestCaps = field(default_factory=RequestCaps)  # what one request may ask (docs/security.md)
     # Streams that outlive a lost memory service or executor (gateway/recovery.py).
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)

@@ -7,7 +7,8 @@ it ends: its tokens are taken at once (streamed, checked for stops, appended
 for the next Step), each row counting what it took (``Row.taken``); the
 whole response then applies only what is left. A sequence ended by a token
 mid-burst (a stop token or string, an abort) takes no more: the rest of its
-burst is discarded, as when the burst comes back whole.
+burst is discarded, as when the burst comes back whole. A burst cut short
+(a step waited behind it) returns what it ran; the rest is given back.
 """
 
 from __future__ import annotations
@@ -57,8 +58,22 @@ class Results:
                 if not tokens:
                     continue
             self._take(sampled, seq, tokens, logprobs, result.top, bool(result.row.burst))
+        if resp.sub_steps_run:
+            self._cut(rows, resp.sub_steps_run)
         self.beams.finish_step()
         self.stats.tokens(sampled, time.perf_counter())
+
+    def _cut(self, rows: list[wire.Row], ran: int) -> None:
+        """The burst was cut short after ``ran`` sub-steps (a step waited behind
+        it): each row it cut computed ``ran`` tokens, the last sample is its
+        next to compute, and the memory service gives the rest back in the
+        next Step (its placeholders, its slots)."""
+        for row in rows:
+            seq = row.seq
+            if row.num_samples + row.burst > ran and seq.seq_id in self.sequences:
+                seq.num_computed = row.start + ran
+                seq.placeholders = 0
+                self.sequences.changes.cut.append(seq.seq_id)
 
     def take_parts(self, calls: list, current: Callable[[str], object]) -> bool:
         """Take the sub-steps come back for each executor's oldest call in

@@ -27,9 +27,10 @@ class Changes:
     appends: dict[int, list[int]] = field(default_factory=dict)        # seq_id -> the tokens sampled for it
     free: list[int] = field(default_factory=list)                      # finished
     abort: list[int] = field(default_factory=list)                     # aborted, failed, pruned on error
+    cut: list[int] = field(default_factory=list)                       # whose burst was cut short (gateway.bursts)
 
     def __bool__(self) -> bool:
-        return bool(self.forks or self.appends or self.free or self.abort)
+        return bool(self.forks or self.appends or self.free or self.abort or self.cut)
 
 
 class SequenceTable:
@@ -93,6 +94,8 @@ class SequenceTable:
         """Drop it here only (the memory service already dropped it, or never had it)."""
         self.seqs.pop(seq_id, None)
         self.changes.appends.pop(seq_id, None)
+        if seq_id in self.changes.cut:
+            self.changes.cut.remove(seq_id)
 
     def readmit(self, seqs: list[Seq], executor_id: str) -> list[int]:
         """Give each of ``seqs`` a new id, to be admitted again as new on
@@ -107,6 +110,7 @@ class SequenceTable:
             ch.appends.pop(seq_id, None)
         ch.free = [i for i in ch.free if i not in gone]
         ch.abort = [i for i in ch.abort if i not in gone]
+        ch.cut = [i for i in ch.cut if i not in gone]
         ch.forks = [(p, [c for c in kids if c not in gone]) for p, kids in ch.forks if p not in gone]
         ch.forks = [(p, kids) for p, kids in ch.forks if kids]
         for s in seqs:

@@ -67,7 +67,8 @@ def step_request(step_id: int, changes: Changes, batch: Batch,
         free_seq_ids=pack_i64(changes.free), abort_seq_ids=pack_i64(changes.abort),
         new_sequences=[new_sequence(s, executors[s.executor_id]) for s in batch.new],
         schedule_seq_ids=pack_i64(s.seq_id for s in batch.seqs), schedule_num_tokens=pack_i32(batch.num_tokens),
-        pending_seq_ids=pack_i64(pending), schedule_lookahead=pack_i32(batch.lookahead))
+        pending_seq_ids=pack_i64(pending), schedule_lookahead=pack_i32(batch.lookahead),
+        cut_seq_ids=pack_i64(changes.cut))
 
 
 # ---- the plan ---------------------------------------------------------------------------
@@ -151,13 +152,14 @@ class Row:
 
 
 def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPlan,
-                    rows: list[Row], prev_step_id: int = 0) -> executor_pb2.ExecuteRequest:
+                    rows: list[Row], prev_step_id: int = 0, cut_prev: bool = False) -> executor_pb2.ExecuteRequest:
     """The executor's part of the plan (passed through untouched: rows, table
     changes, cache ops), with token ids, context lengths and sampling added.
     ``prev_step_id``: the step in flight on this executor before this one (0:
     none), whose samples fill the placeholders, and which the executor runs
     first in any case (a step sent while the one before waits for its own
-    predecessor must not overtake it)."""
+    predecessor must not overtake it). ``cut_prev``: that step is a decode
+    burst this one may cut short (gateway.bursts)."""
     tokens, starts = array("i"), array("i")
     num_samples, temps, top_ps, top_ks, seeds, tops = (array("i"), array("f"), array("f"), array("i"),
                                                         array("q"), array("i"))
@@ -185,7 +187,7 @@ def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPla
     return executor_pb2.ExecuteRequest(
         step_id=step_id, incarnation=incarnation, plan=plan, context_lens=array_bytes(starts),
         token_ids=array_bytes(tokens), sampling=sampling,
-        prev_step_id=prev_step_id, decode_steps=burst + 1 if burst else 0)
+        prev_step_id=prev_step_id, decode_steps=burst + 1 if burst else 0, cut_prev=cut_prev)
 
 
 def _add_processing(sampling: executor_pb2.SamplingBatch, rows: list[Row]) -> None:
@@ -229,7 +231,8 @@ class RowResult:
 
 
 def row_results(rows: Iterable[Row], resp: executor_pb2.ExecuteResponse) -> list[RowResult]:
-    """The response cut into rows (rows that sampled nothing and want no top logprobs are skipped)."""
+    """The response cut into rows (rows that sampled nothing and want no top
+    logprobs are skipped; a burst cut short returns what its sub-steps ran)."""
     sampled = unpack_i32(resp.sampled_token_ids)
     logprobs = unpack_f32(resp.sampled_logprobs) if resp.sampled_logprobs else None
     top_offsets = unpack_i32(resp.top_offsets) if resp.top_offsets else None
@@ -237,8 +240,11 @@ def row_results(rows: Iterable[Row], resp: executor_pb2.ExecuteResponse) -> list
     top_lps = unpack_f32(resp.top_logprobs) if resp.top_logprobs else None
     out = []
     pos = 0
+    ran = resp.sub_steps_run or None
     for i, row in enumerate(rows):
         n = row.num_samples + row.burst
+        if ran is not None and n > ran:
+            n = ran
         if row.num_top and not n:  # beam search: candidates only
             a, b = top_offsets[i], top_offsets[i + 1]
             out.append(RowResult(row, top_ids=list(top_ids[a:b]), top_logprobs=list(top_lps[a:b])))

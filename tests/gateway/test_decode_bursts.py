@@ -288,6 +288,7 @@ async def test_a_step_planned_while_a_burst_runs_names_it(streamed, oracle):
         while not any(burst > 1 for _, _, burst, _ in sent):
             await asyncio.sleep(0.005)
         b = await generate(stack.gw, second, max_tokens=4, ignore_eos=True)
+        assert stack.memory.state.manager.check_invariants() == []  # the cut sequence still runs
         assert (await a)[0][0] == oracle.greedy(first, 24, min_new_tokens=24)
         assert b[0][0] == oracle.greedy(second, 4, min_new_tokens=4)
     finally:
@@ -295,4 +296,51 @@ async def test_a_step_planned_while_a_burst_runs_names_it(streamed, oracle):
         engine.scheduler.max_burst_s = 0.03
     bursts = {step for step, _, burst, streamed in sent if burst > 1 and streamed}
     assert bursts and any(prev in bursts and burst == 0 for _, prev, burst, _ in sent), sent
+    await stack.wait_idle()
+
+
+@pytest.mark.parametrize("which", ["whole", "streamed"])
+async def test_a_request_arriving_mid_burst_cuts_it_short(stacks, streamed, oracle, which):
+    """The step that admits a request arriving mid-burst names the burst and
+    cuts it short: the executor ends it after the forward it is in and runs
+    the prefill next. Both requests get generate's tokens, the cut sequence
+    goes on from where the burst stopped, and every block comes back."""
+    stack = stacks[0] if which == "whole" else streamed[0]
+    engine = stack.gateway.engine
+    executor = stack.executors[0].executor
+    forward = executor._run
+    ex = engine.executors["executor-0"]
+    real_execute = ex.execute
+    sent, cuts = [], []
+
+    async def spy(request, timeout_s=None, on_part=None):
+        sent.append((request.step_id, request.prev_step_id, request.decode_steps, request.cut_prev))
+        resp = await real_execute(request, timeout_s, on_part)
+        if resp.sub_steps_run:
+            cuts.append((request.step_id, request.decode_steps, resp.sub_steps_run))
+        return resp
+
+    def slow(*args):
+        time.sleep(0.03)
+        return forward(*args)
+
+    ex.execute, executor._run = spy, slow
+    engine.scheduler.max_burst_s = 1.0
+    try:
+        first, second = prompts(2, seed=41)
+        a = asyncio.ensure_future(generate(stack.gw, first, max_tokens=24, ignore_eos=True))
+        while not any(steps > 1 for _, _, steps, _ in sent):
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.04)  # a sub-step or so in
+        b = await generate(stack.gw, second, max_tokens=4, ignore_eos=True)
+        assert stack.memory.state.manager.check_invariants() == []  # the cut sequence still runs
+        assert (await a)[0][0] == oracle.greedy(first, 24, min_new_tokens=24)
+        assert b[0][0] == oracle.greedy(second, 4, min_new_tokens=4)
+    finally:
+        ex.execute, executor._run = real_execute, forward
+        engine.scheduler.max_burst_s = 0.03
+    assert cuts, sent
+    for step, steps, ran in cuts:
+        assert 1 <= ran < steps
+        assert any(prev == step and cut for _, prev, _, cut in sent), (step, sent)  # cut by the step behind it
     await stack.wait_idle()

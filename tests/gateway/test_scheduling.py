@@ -166,3 +166,16 @@ def test_the_burst_flag_is_bounded():
     for bad in ("-1", "nan", "inf", "x"):
         with pytest.raises(SystemExit):
             p.parse_args(["--max-burst-ms", bad])
+
+
+def test_only_a_step_that_prefills_cuts_the_burst_running_before_it():
+    from gateway.bursts import may_cut
+
+    running = [row(burst=3), row(burst=0)]
+    for i, r in enumerate(running):
+        r.seq = decode(90 + i)
+    prefill, decode_only = [row(tokens=9)], [row(), row(burst=2)]
+    assert may_cut(running, prefill, set())
+    assert not may_cut(running, decode_only, set())  # two groups of decodes take turns: neither cuts the other
+    assert not may_cut(running[1:], prefill, set())  # not a burst
+    assert not may_cut(running, prefill, {running[0].seq.seq_id})  # the step preempted one of its sequences
