@@ -119,6 +119,9 @@ ROWS_FED_AHEAD = Counter("kvpager_gateway_rows_fed_ahead_total",
 TOKENS_SAMPLED_AHEAD = Counter("kvpager_gateway_tokens_sampled_ahead_total",
                                "Tokens planned to be sampled ahead within a step (decode bursts, "
                                "--num-scheduler-steps).", registry=REGISTRY)
+TOKENS_SAMPLED_AHEAD_CUT = Counter("kvpager_gateway_tokens_sampled_ahead_cut_total",
+                                   "Tokens planned ahead that a burst cut short never sampled (a request "
+                                   "arrived; given back to the memory service).", registry=REGISTRY)
 TOKENS_SAMPLED_AHEAD_DISCARDED = Counter("kvpager_gateway_tokens_sampled_ahead_discarded_total",
                                          "Tokens a decode burst computed past its sequence's end (a stop "
                                          "condition mid-burst, an abort): discarded, never streamed.",

@@ -71,6 +71,7 @@ class Results:
         for row in rows:
             seq = row.seq
             if row.num_samples + row.burst > ran and seq.seq_id in self.sequences:
+                metrics.TOKENS_SAMPLED_AHEAD_CUT.inc(row.num_samples + row.burst - ran)
                 seq.num_computed = row.start + ran
                 seq.placeholders = 0
                 self.sequences.changes.cut.append(seq.seq_id)

@@ -326,6 +326,7 @@ async def test_a_request_arriving_mid_burst_cuts_it_short(stacks, streamed, orac
 
     ex.execute, executor._run = spy, slow
     engine.scheduler.max_burst_s = 1.0
+    given_back = metrics.TOKENS_SAMPLED_AHEAD_CUT._value.get()
     try:
         first, second = prompts(2, seed=41)
         a = asyncio.ensure_future(generate(stack.gw, first, max_tokens=24, ignore_eos=True))
@@ -340,6 +341,7 @@ async def test_a_request_arriving_mid_burst_cuts_it_short(stacks, streamed, orac
         ex.execute, executor._run = real_execute, forward
         engine.scheduler.max_burst_s = 0.03
     assert cuts, sent
+    assert metrics.TOKENS_SAMPLED_AHEAD_CUT._value.get() - given_back == sum(steps - ran for _, steps, ran in cuts)
     for step, steps, ran in cuts:
         assert 1 <= ran < steps
         assert any(prev == step and cut for _, prev, _, cut in sent), (step, sent)  # cut by the step behind it
