@@ -259,12 +259,12 @@ async def test_a_step_that_schedules_nothing_streams_first(stacks):
     await bursts.wait_idle()
 
 
-async def test_a_step_planned_while_a_burst_runs_names_it(streamed, oracle):
-    """A request arriving mid-burst is prefilled in a step planned while the
-    burst runs: that Execute names the burst (prev_step_id) though it feeds no
-    placeholder, so the executor runs it after the burst whatever the order
-    the two calls reach it (a streamed burst's handler is a stream)."""
-    stack, _ = streamed
+async def arrival_mid_burst(stack, oracle, seed: int, forward_s: float, pause_s: float = 0.0) -> list:
+    """A request of 24 tokens decoding in bursts on an executor slowed by
+    ``forward_s`` a forward, and a second one sent once a burst is out (and
+    ``pause_s`` more); both get generate's tokens, and the memory service's
+    invariants hold while the first still runs. Returns every Execute as
+    (step id, prev step id, decode steps, cut_prev, streamed, sub-steps run)."""
     engine = stack.gateway.engine
     executor = stack.executors[0].executor
     forward = executor._run
@@ -273,30 +273,43 @@ async def test_a_step_planned_while_a_burst_runs_names_it(streamed, oracle):
     sent = []
 
     async def spy(request, timeout_s=None, on_part=None):
-        sent.append((request.step_id, request.prev_step_id, request.decode_steps, on_part is not None))
-        return await real_execute(request, timeout_s, on_part)
+        row = [request.step_id, request.prev_step_id, request.decode_steps, request.cut_prev, on_part is not None, 0]
+        sent.append(row)
+        resp = await real_execute(request, timeout_s, on_part)
+        row[5] = resp.sub_steps_run
+        return resp
 
     def slow(*args):
-        time.sleep(0.01)
+        time.sleep(forward_s)
         return forward(*args)
 
     ex.execute, executor._run = spy, slow
     engine.scheduler.max_burst_s = 1.0
     try:
-        first, second = prompts(2, seed=28)
+        first, second = prompts(2, seed=seed)
         a = asyncio.ensure_future(generate(stack.gw, first, max_tokens=24, ignore_eos=True))
-        while not any(burst > 1 for _, _, burst, _ in sent):
+        while not any(row[2] > 1 for row in sent):
             await asyncio.sleep(0.005)
+        await asyncio.sleep(pause_s)
         b = await generate(stack.gw, second, max_tokens=4, ignore_eos=True)
-        assert stack.memory.state.manager.check_invariants() == []  # the cut sequence still runs
+        assert stack.memory.state.manager.check_invariants() == []
         assert (await a)[0][0] == oracle.greedy(first, 24, min_new_tokens=24)
         assert b[0][0] == oracle.greedy(second, 4, min_new_tokens=4)
     finally:
         ex.execute, executor._run = real_execute, forward
         engine.scheduler.max_burst_s = 0.03
-    bursts = {step for step, _, burst, streamed in sent if burst > 1 and streamed}
-    assert bursts and any(prev in bursts and burst == 0 for _, prev, burst, _ in sent), sent
     await stack.wait_idle()
+    return sent
+
+
+async def test_a_step_planned_while_a_burst_runs_names_it(streamed, oracle):
+    """A request arriving mid-burst is prefilled in a step planned while the
+    burst runs: that Execute names the burst (prev_step_id) though it feeds no
+    placeholder, so the executor runs it after the burst whatever the order
+    the two calls reach it (a streamed burst's handler is a stream)."""
+    sent = await arrival_mid_burst(streamed[0], oracle, seed=28, forward_s=0.01)
+    bursts = {step for step, _, steps, _, is_streamed, _ in sent if steps > 1 and is_streamed}
+    assert bursts and any(prev in bursts and steps == 0 for _, prev, steps, *_ in sent), sent
 
 
 @pytest.mark.parametrize("which", ["whole", "streamed"])
@@ -304,45 +317,14 @@ async def test_a_request_arriving_mid_burst_cuts_it_short(stacks, streamed, orac
     """The step that admits a request arriving mid-burst names the burst and
     cuts it short: the executor ends it after the forward it is in and runs
     the prefill next. Both requests get generate's tokens, the cut sequence
-    goes on from where the burst stopped, and every block comes back."""
-    stack = stacks[0] if which == "whole" else streamed[0]
-    engine = stack.gateway.engine
-    executor = stack.executors[0].executor
-    forward = executor._run
-    ex = engine.executors["executor-0"]
-    real_execute = ex.execute
-    sent, cuts = [], []
-
-    async def spy(request, timeout_s=None, on_part=None):
-        sent.append((request.step_id, request.prev_step_id, request.decode_steps, request.cut_prev))
-        resp = await real_execute(request, timeout_s, on_part)
-        if resp.sub_steps_run:
-            cuts.append((request.step_id, request.decode_steps, resp.sub_steps_run))
-        return resp
-
-    def slow(*args):
-        time.sleep(0.03)
-        return forward(*args)
-
-    ex.execute, executor._run = spy, slow
-    engine.scheduler.max_burst_s = 1.0
+    goes on from where the burst stopped, every block comes back, and the
+    tokens it never sampled are counted."""
     given_back = metrics.TOKENS_SAMPLED_AHEAD_CUT._value.get()
-    try:
-        first, second = prompts(2, seed=41)
-        a = asyncio.ensure_future(generate(stack.gw, first, max_tokens=24, ignore_eos=True))
-        while not any(steps > 1 for _, _, steps, _ in sent):
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.04)  # a sub-step or so in
-        b = await generate(stack.gw, second, max_tokens=4, ignore_eos=True)
-        assert stack.memory.state.manager.check_invariants() == []  # the cut sequence still runs
-        assert (await a)[0][0] == oracle.greedy(first, 24, min_new_tokens=24)
-        assert b[0][0] == oracle.greedy(second, 4, min_new_tokens=4)
-    finally:
-        ex.execute, executor._run = real_execute, forward
-        engine.scheduler.max_burst_s = 0.03
+    sent = await arrival_mid_burst(stacks[0] if which == "whole" else streamed[0], oracle, seed=41,
+                                   forward_s=0.03, pause_s=0.04)  # a sub-step or so in
+    cuts = [(step, steps, ran) for step, _, steps, _, _, ran in sent if ran]
     assert cuts, sent
     assert metrics.TOKENS_SAMPLED_AHEAD_CUT._value.get() - given_back == sum(steps - ran for _, steps, ran in cuts)
     for step, steps, ran in cuts:
         assert 1 <= ran < steps
-        assert any(prev == step and cut for _, prev, _, cut in sent), (step, sent)  # cut by the step behind it
-    await stack.wait_idle()
+        assert any(prev == step and cut for _, prev, _, cut, _, _ in sent), (step, sent)  # by the step behind it

@@ -76,11 +76,11 @@ def test_up_passes_every_gateway_scheduling_option():
 
     gateway = children_for("--policy", "fcfs", "--max-batch-tokens", "96", "--max-running", "7",
                            "--max-waiting", "33", "--stream-interval", "5", "--num-scheduler-steps", "6",
-                           "--max-burst-ms", "12.5", "--no-plan-ahead")[-1].argv
+                           "--max-burst-ms", "12.5", "--no-plan-ahead", "--no-cut-bursts")[-1].argv
     flags = gateway[gateway.index("--policy"):]
     assert flags == ["--policy", "fcfs", "--max-batch-tokens", "96", "--max-running", "7", "--max-waiting", "33",
                      "--stream-interval", "5", "--num-scheduler-steps", "6", "--max-burst-ms", "12.5",
-                     "--no-plan-ahead"]
+                     "--no-plan-ahead", "--no-cut-bursts"]
     import argparse
 
     p = argparse.ArgumentParser()
@@ -88,7 +88,7 @@ def test_up_passes_every_gateway_scheduling_option():
     got = p.parse_args(["--model", "m", *flags])
     assert {d: getattr(got, d) for d in SCHEDULING_DESTS} == dict(
         policy="fcfs", max_batch_tokens=96, max_running=7, max_waiting=33, stream_interval=5, plan_ahead=False,
-        num_scheduler_steps=6, max_burst_ms=12.5)
+        num_scheduler_steps=6, max_burst_ms=12.5, cut_bursts=False)
     # every option of the gateway's scheduling group is one `kvpager up` takes
     group = next(g for g in p._action_groups if g.title.startswith("scheduling"))
     assert {a.dest for a in group._group_actions} == set(SCHEDULING_DESTS)
