@@ -325,11 +325,18 @@ class BlockTables:
 
     def uncompute(self, seq_ids: np.ndarray, counts: np.ndarray) -> None:
         """The last committed step computed ``counts`` fewer tokens of each of
-        ``seq_ids`` (live rows) than it said: a decode burst cut short."""
-        rows = self._rows
+        ``seq_ids`` (live rows) than it said: a decode burst cut short. Each
+        table keeps only the blocks its computed tokens fill, as the memory
+        service does when it hears of the cut (so no plan has to say so)."""
+        rows, bs = self._rows, self.block_size
         for seq_id, n in zip(seq_ids.tolist(), counts.tolist()):
             if n:
-                self._computed[rows[seq_id]] -= n
+                r = rows[seq_id]
+                self._computed[r] -= n
+                keep, old = -(-int(self._computed[r]) // bs), int(self._lengths[r])
+                if keep < old:
+                    self._tables[r, keep:old] = 0  # past the length: 0, the padding ``resolve`` reads
+                    self._lengths[r] = keep
 
     def _row(self) -> int:
         if not self._free:

@@ -255,8 +255,10 @@ class ExecutorKV:
 
     def cut(self, seq: Sequence, num_computed: int) -> int:
         """A decode burst ended early: only ``num_computed`` (fewer) tokens of
-        the RUNNING ``seq`` are computed. The blocks past them go back and the
-        executor's table is cut to match. Returns the blocks freed."""
+        the RUNNING ``seq`` are computed. The blocks past them go back; the
+        executor cut its table the same way when it cut the burst (no table
+        change is sent: one deferred to a later plan would follow that plan's
+        forks, which copy the table). Returns the blocks freed."""
         keep = _cdiv(num_computed, self.block_size)
         seq.num_computed = num_computed
         tail = seq.blocks[keep:]
@@ -264,7 +266,6 @@ class ExecutorKV:
             return 0
         del seq.blocks[keep:]
         del seq.block_ids[keep:]
-        self.tables.extend(seq.seq_id, keep, ())
         return self.pool.free(tail)
 
     def pool_tokens(self) -> int:

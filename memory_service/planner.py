@@ -51,11 +51,12 @@ def tenant_blocks(kv: ExecutorKV, seqs: dict[int, Sequence], tenant: str) -> set
     return {b for i in kv.seq_ids if (s := seqs[i]).tenant == tenant for b in s.block_ids}
 
 
-def blocks_to_add(kv: ExecutorKV, seq: Sequence, k: int, held: set[int]) -> int:
-    """Blocks seq's tenant would newly hold once seq has room for k more tokens."""
+def blocks_to_add(kv: ExecutorKV, seq: Sequence, k: int, held: set[int], ahead: int = 0) -> int:
+    """Blocks seq's tenant would newly hold once seq has room for k more
+    tokens (and, running, the ``ahead`` placeholders of a decode burst)."""
     bs = kv.block_size
     if seq.status is SeqStatus.RUNNING:
-        k = min(k, seq.num_tokens - seq.num_computed)
+        k = min(k, seq.num_tokens - seq.num_computed) + ahead
         if kv.grouped:
             return kv.blocks_needed(seq, k)
         blocks = seq.blocks
@@ -133,7 +134,11 @@ class Planner:
             if status is not running and status is not swapped and gate in admission_closed:
                 out.unscheduled.append(seq_id)  # FCFS: no overtaking a request that did not fit
                 continue
-            if self.quota is not None and not self._fit_quota(kv, seq, k + ahead, handled, out, preempted):
+            if ahead and self.quota is not None and \
+                    len(held := tenant_blocks(kv, self.seqs, seq.tenant)) + blocks_to_add(kv, seq, k, held, ahead) \
+                    > self.quota.cap(kv.pool.num_blocks):
+                ahead = 0  # a burst never takes its tenant over its quota: it computes its token alone
+            if self.quota is not None and not self._fit_quota(kv, seq, k, handled, out, preempted, ahead):
                 out.unscheduled.append(seq_id)  # its tenant is at its quota: it waits (others go on)
                 if status is not running and status is not swapped:
                     admission_closed.add(gate)
@@ -235,9 +240,7 @@ class Planner:
             plan_rows = rows.get(executor_id)
             ops = kv.take_ops()
             if not plan_rows and not ops:
-                # (a cut burst's table cuts wait for the executor's next plan)
-                assert not kv.tables.started_seq_ids and not kv.tables.extended_block_ids, \
-                    "table starts and extends come with rows"
+                assert not kv.tables.has_row_changes, "table starts and extends come with rows"
                 continue
             plan = ExecutorStepPlan(executor_id, kv.spec.incarnation, kv.table_epoch, tables=kv.take_tables(),
                                     group_tables=kv.take_group_tables(), ops=ops)
@@ -290,7 +293,7 @@ class Planner:
                 return True
 
     def _fit_quota(self, kv: ExecutorKV, seq: Sequence, k: int, handled: set[int], out: StepOutput,
-                   preempted: set[int]) -> bool:
+                   preempted: set[int], ahead: int = 0) -> bool:
         """Whether seq may take the blocks its next k tokens need without its
         tenant going over its quota, preempting the tenant's own sequences
         (by the same eligibility and victim policies) until it may."""
@@ -299,14 +302,14 @@ class Planner:
         # (it only grows by what each grant could add, and preemptions only lower the truth).
         key = (kv.spec.executor_id, seq.tenant)
         bound = self._quota_bound.get(key)
-        upper = blocks_to_add(kv, seq, k, set())
+        upper = blocks_to_add(kv, seq, k, set(), ahead)
         if bound is not None and bound + upper <= cap:
             self._quota_bound[key] = bound + upper
             return True
         eligible = self.eligibility.eligible
         while True:
             held = tenant_blocks(kv, self.seqs, seq.tenant)
-            add = blocks_to_add(kv, seq, k, held)
+            add = blocks_to_add(kv, seq, k, held, ahead)
             if len(held) + add <= cap:
                 self._quota_bound[key] = len(held) + add
                 return True

@@ -213,7 +213,12 @@ def test_a_burst_is_cut_short_by_a_step_waiting_behind_it(serve, oracle, streame
         n = min(q, cut)
         seq.num_computed += n
         seq.tokens.extend(sampled[pos:pos + n])
-        plan.sent[seq.seq_id] = (list(seq.blocks), seq.num_computed)  # what the executor's table counts now
+        keep = -(-seq.num_computed // plan.block_size)  # the executor's table keeps the blocks they fill
+        plan.alloc.release(seq.blocks[keep:])  # and the memory service frees the rest
+        del seq.blocks[keep:]
+        plan.sent[seq.seq_id] = (list(seq.blocks), seq.num_computed)  # what the executor's table holds now
+        tables = served.executor.tables
+        assert (tables.table(seq.seq_id), tables.computed(seq.seq_id)) == plan.sent[seq.seq_id]
         pos += n
     plan.sent_tables(behind, [(waiting, 1)])
     waiting.num_computed += 1

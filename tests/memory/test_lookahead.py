@@ -186,9 +186,9 @@ def test_a_burst_cut_short_gives_back_what_it_did_not_compute():
     assert m.check_invariants() == []
     # 13 is computed by the next burst; cut again with its last samples, and scheduled (a burst again) in one step
     out = m.step(StepInput(step_id=4, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[3]))
-    # its next plan cuts the executor's table to 2 blocks, then extends it by one
-    (_, _, []), (_, _, [block]) = _tables(out)
-    assert _tables(out) == [(1, 2, []), (1, 2, [block])] and seq.block_ids[2] == block
+    # the executor cut its own table to 2 blocks with the burst: the next plan extends it by one
+    [(_, _, [block])] = _tables(out)
+    assert _tables(out) == [(1, 2, [block])] and seq.block_ids[2] == block
     out = m.step(StepInput(step_id=5, cut_seq_ids=[1], schedule_seq_ids=[1], schedule_num_tokens=[1],
                            schedule_lookahead=[2], **_app({1: [14, 15]})))
     assert _rows(out) == [(1, 3)]
@@ -219,4 +219,26 @@ def test_bad_cuts_fail_whole_and_change_nothing():
             m.step(step)
         assert (list(seq.token_ids), seq.num_pending, seq.num_computed, len(seq.blocks),
                 m.validator.pending_total) == before
+    assert m.check_invariants() == []
+
+
+def test_a_burst_never_takes_its_tenant_over_its_quota():
+    """A tenant may hold 4 of 8 blocks: a decode that would sample 10 ahead
+    needs 5, so it computes its token alone (no placeholder, nobody
+    preempted); within the quota the burst goes."""
+    from memory_service.policy import TenantQuota
+
+    m = MemoryManager(quota=TenantQuota(0.5))
+    m.register_executor(ExecutorSpec("e0", 8, BS, num_swap_blocks=0, model_id="m", dtype="f32",
+                                     max_model_len=40, vocab_size=100))
+    m.step(StepInput(step_id=1, new_seqs=[NewSeq(1, "e0", [1, 2, 3, 4, 5, 6, 7], tenant="a")],
+                     schedule_seq_ids=[1], schedule_num_tokens=[7]))  # 2 blocks
+    out = m.step(StepInput(step_id=2, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[10],
+                           **_app({1: [8]})))
+    seq = m.seqs[1]
+    assert _rows(out) == [(1, 1)] and not out.preempted and not out.unscheduled
+    assert seq.num_pending == 0 and m.validator.pending_total == 0 and len(seq.blocks) == 2
+    out = m.step(StepInput(step_id=3, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[7],
+                           **_app({1: [9]})))  # 9 + 7 ahead: 16 tokens, 4 blocks
+    assert _rows(out) == [(1, 8)] and seq.num_pending == 7 and len(seq.blocks) == 4
     assert m.check_invariants() == []

@@ -64,7 +64,7 @@ RULES_RUN = [0]  # rules executed by this process, over all examples
 # What the runs exercised (printed, and each must have happened at least once).
 STATS = dict.fromkeys(("preempt_recompute", "preempt_swap", "cow_copies", "swap_ins", "prefix_hits", "evictions",
                        "rejected", "unscheduled", "bad_steps", "retries", "reregistrations", "fast_decodes",
-                       "cost_decisions", "over_quota", "pins"), 0)
+                       "cost_decisions", "over_quota", "pins", "cut_bursts"), 0)
 TENANTS = ("", "a", "b")
 
 
@@ -142,6 +142,8 @@ class MemoryMachine(RuleBasedStateMachine):
         self.next_seq_id = 1
         self.step_id = 0
         self.last: tuple[StepInput, object] | None = None
+        # A decode burst in the step being run: seq -> (the tokens it samples, the sub-steps it runs)
+        self.burst: dict[int, tuple[list[int], int]] = {}
 
     def _register(self, spec: ExecutorSpec) -> None:
         # the cost model's inputs: random measured rates (a slow or fast host link against the prefill)
@@ -235,6 +237,8 @@ class MemoryMachine(RuleBasedStateMachine):
         step.step_id = self.step_id
         before = {sid: (seq.status, seq.num_computed) for sid, seq in self.m.seqs.items()}
         asked = dict(zip(step.schedule_seq_ids, step.schedule_num_tokens))
+        for seq_id, m in zip(step.schedule_seq_ids, step.schedule_lookahead):
+            asked[seq_id] += m  # a burst computes its lookahead too
         out = self.m.step(step)
         self.last = (step, out)
 
@@ -247,6 +251,8 @@ class MemoryMachine(RuleBasedStateMachine):
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
         for i, seq_id in enumerate(ids):
             self.tokens[seq_id].extend(toks[offs[i]:offs[i + 1]])
+        for seq_id, (samples, _) in self.burst.items():  # the simulated forward feeds them
+            self.tokens[seq_id].extend(samples)
         for seq_id in list(step.free_seq_ids) + list(step.abort_seq_ids):
             for d in (self.tokens, self.salt, self.limit):
                 del d[seq_id]
@@ -357,12 +363,15 @@ class MemoryMachine(RuleBasedStateMachine):
             rows.append((seq_id, ctx, q, table, row_slots))
         written = [s for r in rows for s in r[4]]
         assert len(written) == len(set(written)), "two rows write one slot"
-        # the forward: every row writes its new tokens' KV, then reads its whole context
+        # the forward: every row writes its new tokens' KV, then reads its whole context;
+        # a burst cut short after its sub-step J - 1 wrote nothing real past ctx + J
+        ran = {seq_id: j for seq_id, (_, j) in self.burst.items()}
         for seq_id, ctx, q, _, row_slots in rows:
             for i, slot in enumerate(row_slots):
-                slots.dev[slot] = kv_of(self.salt[seq_id], self.tokens[seq_id], ctx + i)
+                real = i < ran.get(seq_id, q)
+                slots.dev[slot] = kv_of(self.salt[seq_id], self.tokens[seq_id], ctx + i) if real else ("cut", slot)
         for seq_id, ctx, q, table, _ in rows:
-            for p in range(ctx + q):
+            for p in range(ctx + min(q, ran.get(seq_id, q))):
                 got = slots.dev.get(table[p // bs] * bs + p % bs)
                 assert got == kv_of(self.salt[seq_id], self.tokens[seq_id], p), (seq_id, p, got)
 
@@ -419,6 +428,44 @@ class MemoryMachine(RuleBasedStateMachine):
         if self.m.validator.check_decode(step) is not None:
             STATS["fast_decodes"] += 1
         self._run(step)
+
+    @precondition(lambda self: self._live(SeqStatus.RUNNING))
+    @rule(seed=st.integers(0, 2**32 - 1))
+    def burst_cut_short(self, seed):
+        """A decode burst (a lookahead of m) whose executor ran only J <= m of
+        its m + 1 sub-steps (a step waited behind it): K/V past them is
+        garbage. The next Step appends the J samples and cuts it; what stays
+        computed must be real, and no block the prefix index offers may hold
+        the garbage."""
+        rnd = random.Random(seed)
+        ready = [s for s in self._live(SeqStatus.RUNNING)
+                 if len(self.tokens[s]) == self.m.seqs[s].num_computed
+                 and len(self.tokens[s]) + 2 <= self.m.seqs[s].token_limit]
+        if not ready:
+            return self.decode(seed)
+        s = rnd.choice(ready)
+        seq = self.m.seqs[s]
+        ctx = len(self.tokens[s])
+        m = rnd.randint(1, min(6, seq.token_limit - ctx - 1))
+        samples, ran = [rnd.randrange(VOCAB) for _ in range(m)], rnd.randint(1, m)
+        step = StepInput(schedule_seq_ids=[s], schedule_num_tokens=[1], schedule_lookahead=[m])
+        self._set_appended(step, {s: [rnd.randrange(VOCAB)]})
+        self.burst = {s: (samples, ran)}
+        try:
+            self._run(step)
+        finally:
+            self.burst = {}
+        del self.tokens[s][ctx + 1:]  # what it sampled comes with the next Step
+        if s not in self.m.seqs or seq.status is not SeqStatus.RUNNING or seq.num_pending != m:
+            return  # not granted (no room): no burst
+        mirror = self.mirrors[seq.executor_id]  # the executor counts what ran, its table only the blocks it fills
+        mirror.computed[s] -= m + 1 - ran
+        mirror.tables[s] = mirror.tables[s][:math.ceil(mirror.computed[s] / mirror.block_size)]
+        cut = StepInput(cut_seq_ids=[s])
+        self._set_appended(cut, {s: samples[:ran]})
+        self._run(cut)
+        assert seq.num_pending == 0 and seq.num_computed == ctx + ran and len(seq.token_ids) == ctx + 1 + ran
+        STATS["cut_bursts"] += 1
 
     @precondition(lambda self: self._live(SeqStatus.RUNNING, SeqStatus.WAITING))
     @rule(seed=st.integers(0, 2**32 - 1))
