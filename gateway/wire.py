@@ -240,10 +240,10 @@ def row_results(rows: Iterable[Row], resp: executor_pb2.ExecuteResponse) -> list
     top_lps = unpack_f32(resp.top_logprobs) if resp.top_logprobs else None
     out = []
     pos = 0
-    ran = resp.sub_steps_run or None
+    ran = resp.sub_steps_run  # a burst cut short: each row has at most this many samples
     for i, row in enumerate(rows):
         n = row.num_samples + row.burst
-        if ran is not None and n > ran:
+        if ran and n > ran:
             n = ran
         if row.num_top and not n:  # beam search: candidates only
             a, b = top_offsets[i], top_offsets[i + 1]

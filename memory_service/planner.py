@@ -134,9 +134,7 @@ class Planner:
             if status is not running and status is not swapped and gate in admission_closed:
                 out.unscheduled.append(seq_id)  # FCFS: no overtaking a request that did not fit
                 continue
-            if ahead and self.quota is not None and \
-                    len(held := tenant_blocks(kv, self.seqs, seq.tenant)) + blocks_to_add(kv, seq, k, held, ahead) \
-                    > self.quota.cap(kv.pool.num_blocks):
+            if ahead and self.quota is not None and not self._burst_within_quota(kv, seq, k, ahead):
                 ahead = 0  # a burst never takes its tenant over its quota: it computes its token alone
             if self.quota is not None and not self._fit_quota(kv, seq, k, handled, out, preempted, ahead):
                 out.unscheduled.append(seq_id)  # its tenant is at its quota: it waits (others go on)
@@ -291,6 +289,12 @@ class Planner:
                 return False
             if attempt():
                 return True
+
+    def _burst_within_quota(self, kv: ExecutorKV, seq: Sequence, k: int, ahead: int) -> bool:
+        """Whether seq's tenant stays within its quota once seq holds its next
+        k tokens and ``ahead`` placeholders (no one preempted to make it so)."""
+        held = tenant_blocks(kv, self.seqs, seq.tenant)
+        return len(held) + blocks_to_add(kv, seq, k, held, ahead) <= self.quota.cap(kv.pool.num_blocks)
 
     def _fit_quota(self, kv: ExecutorKV, seq: Sequence, k: int, handled: set[int], out: StepOutput,
                    preempted: set[int], ahead: int = 0) -> bool:
