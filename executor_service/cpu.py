@@ -56,7 +56,8 @@ class ThreadTuner:
     threads 8-41 s vs 1 thread 4.9-6.6 s.
 
     Each count is timed on the steps it runs, per size class (tokens, in
-    powers of two). A class starts on the preferred count (the first
+    powers of two), in seconds per token (a class's steps differ in size up
+    to twice). A class starts on the preferred count (the first
     candidate) and tries the others only when there is a reason: the
     preferred count's steps became slower than the fastest it has shown
     (``slowdown``: the load changed), or, rarely (every ``explore_every``-th
@@ -85,7 +86,7 @@ class ThreadTuner:
         self.alpha = alpha
         self.margin = margin
         self.quiet_backoff = quiet_backoff
-        self._ema: dict[tuple[int, int], float] = {}   # (size class, threads) -> seconds per step
+        self._ema: dict[tuple[int, int], float] = {}   # (size class, threads) -> seconds per token
         self._fastest: dict[tuple[int, int], float] = {}
         self._seen: dict[int, int] = {}                # steps per size class
         self._exploring: tuple[int, int] | None = None  # the (class, threads) a choice went to try
@@ -138,6 +139,12 @@ class ThreadTuner:
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         size = num_tokens.bit_length()
+        # Per token: a class spans twice the tokens from its smallest step to its
+        # largest, so raw step times would compare a count timed on small steps
+        # with one timed on large ones (a 232-token step timed on two threads
+        # under load, a 149-token one on one thread quiet: one thread won and
+        # every lone 149-token prefill then ran on it, 41 ms against 23).
+        seconds /= max(num_tokens, 1)
         key = (size, threads)
         explored, self._exploring = self._exploring == key, None
         if (num_tokens, threads) not in self._warm:

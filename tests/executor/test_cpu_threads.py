@@ -109,3 +109,23 @@ def test_noise_does_not_move_it_off_every_core():
 def test_one_candidate_is_always_it():
     tuner = ThreadTuner((1,))
     assert set(run(tuner, 50, {1: 1.0})) == {1}
+
+
+def test_a_class_compares_counts_per_token():
+    # Seen in the online comparison: a class's one loaded step was a large one
+    # (232 tokens, 68 ms on two threads, while 31 other requests arrived); its
+    # lone 149-token prefills then took 23 ms on two threads and 41 on one.
+    # Compared per step, one thread looked faster than two's loaded average
+    # and every lone prefill after ran on it.
+    tuner = ThreadTuner((2, 1))
+    for seconds in (0.407, 0.068):               # the first untimed (a new shape), the second loaded
+        assert tuner.choose(232) == 2
+        tuner.record(232, 2, seconds)
+    chosen = []
+    seen: set[int] = set()
+    for _ in range(40):
+        t = tuner.choose(149)
+        tuner.record(149, t, 0.133 if t not in seen else {2: 0.023, 1: 0.041}[t])  # each count's first: a warm-up
+        seen.add(t)
+        chosen.append(t)
+    assert chosen[4:].count(1) == 0, chosen
