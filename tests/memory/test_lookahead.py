@@ -37,17 +37,23 @@ def _app(pairs: dict[int, list[int]]) -> dict:
     return dict(appended_seq_ids=ids, appended_offsets=offs, appended_tokens=[t for i in ids for t in pairs[i]])
 
 
+def _step_by_step(prompt: list[int], sampled: list[int], last_step_id: int) -> MemoryManager:
+    """The reference: sequence 1 prefilled, then one token a step (no bursts), its last sample appended alone."""
+    plain = _manager()
+    _prefill(plain, 1, prompt, 1)
+    for i, tok in enumerate(sampled[:-1]):
+        plain.step(StepInput(step_id=2 + i, schedule_seq_ids=[1], schedule_num_tokens=[1], **_app({1: [tok]})))
+    plain.step(StepInput(step_id=last_step_id, **_app({1: sampled[-1:]})))
+    return plain
+
+
 def _rows(out) -> list[tuple[int, int]]:
     return [(s, q) for p in out.executor_plans for s, q in zip(p.seq_ids, p.query_lens)]
 
 
 def test_bursts_leave_what_a_step_by_step_run_leaves():
     prompt, sampled = [5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19]
-    plain = _manager()
-    _prefill(plain, 1, prompt, 1)
-    for i, tok in enumerate(sampled[:-1]):
-        plain.step(StepInput(step_id=2 + i, schedule_seq_ids=[1], schedule_num_tokens=[1], **_app({1: [tok]})))
-    plain.step(StepInput(step_id=20, **_app({1: sampled[-1:]})))
+    plain = _step_by_step(prompt, sampled, 20)
     burst = _manager()
     _prefill(burst, 1, prompt, 1)
     # burst 1: the first sample is known, it computes it and samples 4 ahead (11 + 12..15 computed)
@@ -162,11 +168,7 @@ def test_a_burst_cut_short_gives_back_what_it_did_not_compute():
     executor's table cut to match), and it leaves what a step-by-step run
     leaves; it runs again in the same step."""
     prompt, sampled = [5, 6, 7], [11, 12, 13]
-    plain = _manager()
-    _prefill(plain, 1, prompt, 1)
-    for i, tok in enumerate(sampled[:-1]):
-        plain.step(StepInput(step_id=2 + i, schedule_seq_ids=[1], schedule_num_tokens=[1], **_app({1: [tok]})))
-    plain.step(StepInput(step_id=9, **_app({1: sampled[-1:]})))
+    plain = _step_by_step(prompt, sampled, 9)
     m = _manager()
     _prefill(m, 1, prompt, 1)
     free_before = m.executors["e0"].pool.num_free
