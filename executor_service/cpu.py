@@ -62,7 +62,9 @@ class ThreadTuner:
     preferred count's steps became slower than the fastest it has shown
     (``slowdown``: the load changed), or, rarely (every ``explore_every``-th
     step), to notice a change the times alone cannot show (the load went
-    away while fewer threads run, or it was there from the start). An
+    away while fewer threads run, or it was there from the start; when one
+    class finds the load gone, every class off the preferred count rechecks
+    it at its next step). An
     exploring step of a slower count costs up to twice a step, so on a quiet
     machine nearly every step runs on every core, and each exploration that
     finds the preferred count still best doubles the wait for the next (up
@@ -91,7 +93,7 @@ class ThreadTuner:
         self._seen: dict[int, int] = {}                # steps per size class
         self._exploring: tuple[int, int] | None = None  # the (class, threads) a choice went to try
         self._warm: set[tuple[int, int]] = set()       # (tokens, threads) run once already
-        self._retry: dict[int, int] = {}               # class -> a count whose exploring step was a warm-up
+        self._retry: dict[int, int] = {}               # class -> a count its next step tries (see record)
         self._retried: set[int] = set()                # classes whose last exploration was retried
         self._last: dict[int, int] = {}                # class -> its step count at its last exploration
         self._period: dict[int, int] = {}              # class -> steps from one exploration to the next
@@ -155,6 +157,16 @@ class ThreadTuner:
             return
         self._retried.discard(size)
         old = self._ema.get(key)
+        preferred = self.candidates[0]
+        was_off = explored and threads == preferred and self._best(size) != preferred
         # A count tried after a while: its old average is stale, the fresh time stands.
         self._ema[key] = seconds if old is None or explored else old + self.alpha * (seconds - old)
         self._fastest[key] = min(seconds, self._fastest.get(key, seconds))
+        if was_off and self._best(size) == preferred:
+            # The load went away (it is the machine's, not a class's): every class
+            # still off the preferred count tries it on its next step instead of
+            # waiting out its own period (``explore_every`` steps of that class;
+            # a class of lone prefills meets 64 steps only after 64 requests).
+            for other in self._seen:
+                if other != size and (other, preferred) in self._ema and self._best(other) != preferred:
+                    self._retry.setdefault(other, preferred)

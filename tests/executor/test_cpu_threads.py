@@ -129,3 +129,27 @@ def test_a_class_compares_counts_per_token():
         seen.add(t)
         chosen.append(t)
     assert chosen[4:].count(1) == 0, chosen
+
+
+def test_a_class_that_finds_the_load_gone_sends_the_others_back():
+    # Load moved both the decode class (one token a step, every step) and the
+    # class of lone prefills (a step per request) to one thread. Once it is
+    # gone the decode class finds out within its period; the prefill class,
+    # on its own, would run its next 64 requests on one thread first.
+    tuner = ThreadTuner((2, 1))
+    loaded, quiet = {2: 6.0, 1: 1.8}, {2: 1.0, 1: 1.8}
+    prefills = []
+    for times in [quiet] * 4 + [loaded] * 12:
+        for tokens in (1, 149, 150):                 # each prefill shape's first step on a count is untimed
+            t = tuner.choose(tokens)
+            tuner.record(tokens, t, times[t] * tokens)
+            prefills += [t] if tokens > 1 else []
+    assert prefills[-8:] == [1] * 8, prefills
+    decode = run(tuner, 2 * tuner.explore_every, quiet, num_tokens=1)   # the load went away
+    assert 2 in decode
+    prefills = []
+    for _ in range(8):
+        t = tuner.choose(149)
+        tuner.record(149, t, quiet[t] * 149)
+        prefills.append(t)
+    assert prefills == [2] * 8, prefills
