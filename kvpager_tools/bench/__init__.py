@@ -18,6 +18,7 @@ BENCHMARKS = {
     "penalties": "kvpager_tools.bench.penalties",
     "blockmap": "kvpager_tools.bench.blockmap",
     "preemption": "kvpager_tools.bench.preemption",
+    "contention": "kvpager_tools.bench.contention",
 }
 
 

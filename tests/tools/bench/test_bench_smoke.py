@@ -108,6 +108,19 @@ def test_compare_hf(stack, model):
     json.dumps(result)
 
 
+def test_contention(stack, model):
+    # Before test_overhead: it drives the stack's memory service itself, which fences the stack's gateway.
+    from kvpager_tools.bench.contention import measure
+
+    lo, hi = bc.token_range(model)
+    request = bc.BenchRequest(prompt_ids=list(range(lo, lo + 20)), max_tokens=4)
+    out = measure(stack.addresses.gateway, request, {"quiet": 1, "loaded": 1, "after": 2}, spinners=1)
+    assert [out[p]["requests"] for p in ("quiet", "loaded", "after")] == [1, 1, 2]
+    assert all(out[p]["ttft_ms"] > 0 and out[p]["tpot_ms"] > 0 for p in ("quiet", "loaded", "after"))
+    assert len(out["after"]["ttft_ms_each"]) == 2
+    assert out["after_first_half_ttft_vs_quiet"] > 0
+
+
 def test_overhead(stack, model):
     from kvpager_tools.bench.overhead import measure
 
@@ -154,3 +167,4 @@ def test_penalties_bytes_do_not_grow_with_the_context():
     assert long["penalties_history_every_step_bytes"] > 8 * 1024 * 4  # what the executor's histories save
     t = executor_us(4, 64, 320, repeats=2)
     assert t["history_resolve_us"] > 0 and t["sample_penalties_us"] > 0
+
