@@ -67,9 +67,9 @@ class Engine:
         self.tokenizer = tokenizer
         self._wake = asyncio.Event()
         self.executors = Executors(memory, max_n=config.max_n, max_prompt_tokens=config.max_prompt_tokens,
-                                   tls=executor_tls, token=executor_token, caps=config.caps,
-                                   stream_interval=config.stream_interval,
-                                   info_timeout_s=config.executor_info_timeout_s, on_join=self._wake.set)
+                                   tls=executor_tls, token=executor_token, on_join=self._wake.set,
+                                   caps=config.caps, info_timeout_s=config.executor_info_timeout_s,
+                                   stream_interval=config.stream_interval)
         self.scheduler = Scheduler(make_policy(config.policy), config.max_batch_tokens, config.max_running,
                                    config.num_scheduler_steps, config.max_burst_ms / 1e3)
         self.sequences = SequenceTable()
@@ -86,8 +86,7 @@ class Engine:
         self._failures = FailureLog()
         self._inflight: list[_Inflight] = []  # oldest first
         self._parts = asyncio.Event()  # a streamed burst's sub-step came back
-        # Executes one executor may have in flight: a step planned ahead joins the running one.
-        self._depth = 2 if config.plan_ahead else 1
+        self._depth = 2 if config.plan_ahead else 1  # Executes one executor may have in flight (one planned ahead)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self.fenced = ""  # why another gateway took the memory service over ("" while this one drives it)
@@ -347,7 +346,7 @@ class Engine:
                     for waker in wakers:
                         waker.cancel()
             self._take_parts()
-        pending, blocked = [], set()
+        pending, blocked, finished = [], set(), set()
         for call in self._inflight:
             eid = call.ex.executor_id
             if not call.task.done() or eid in blocked:
@@ -357,12 +356,14 @@ class Engine:
             metrics.STEP_SECONDS.labels("execute").observe(time.perf_counter() - call.sent)
             self._finish_execute(call)  # sub-steps not taken yet are in the whole response
             metrics.STEP_SECONDS.labels("total").observe(time.perf_counter() - call.step_start)
+            finished.add(eid)
         self._inflight = pending
-        self._take_parts()
+        # Executors already running the step planned ahead: stream now, not after the next plan's round trip.
+        self._take_parts(flush=bool(finished) and finished <= blocked)
 
-    def _take_parts(self) -> None:
+    def _take_parts(self, flush: bool = False) -> None:
         self._parts.clear()
-        if self.results.take_parts(self._inflight, self.executors.get):
+        if self.results.take_parts(self._inflight, self.executors.get) or flush:
             self.outbox.flush()  # streamed at once
 
     def _finish_execute(self, call: _Inflight) -> None:

@@ -81,7 +81,8 @@ def take_output(req: Request, comp: Completion) -> Output | None:
 class Outbox:
     """Stream items (outputs, errors, end markers) not yet handed to their
     requests' queues. A step's tokens are released once the next step's
-    Executes are on their way, so the streams run while the executors compute."""
+    Executes are on their way, so the streams run while the executors compute
+    (at once when their executor already runs the step planned ahead)."""
 
     END = None  # on a request's queue: the stream is over
 

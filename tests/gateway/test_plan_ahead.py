@@ -73,3 +73,33 @@ async def test_stop_string_and_short_limits(stacks):
 
 async def test_cancel_while_a_step_is_planned_ahead_returns_blocks(stacks):
     await check_cancel_mid_stream(stacks[0], prompts(4, seed=6))
+
+
+async def test_a_step_finished_under_one_planned_ahead_streams_before_the_next_plan(stacks):
+    """Its executor already runs the next step: the tokens go to their
+    streams at once, not after the memory round trip of the step after."""
+    engine = stacks[0].gateway.engine
+    events: list[str] = []
+    step, flush, whole = engine.memory.step, engine.outbox.flush, engine.results.whole
+
+    async def logged_step(*a, **kw):
+        events.append("step")
+        return await step(*a, **kw)
+
+    def logged_flush():
+        events.append("flush" if engine.outbox._items else "flush-empty")
+        flush()
+
+    def logged_whole(rows, out):
+        running = any(call.rows is not rows and not call.task.done() for call in engine._inflight)
+        events.append("ahead" if running else "idle")
+        whole(rows, out)
+
+    engine.memory.step, engine.outbox.flush, engine.results.whole = logged_step, logged_flush, logged_whole
+    try:
+        await generate(stacks[0].gw, prompts(1, seed=7)[0], max_tokens=8, ignore_eos=True)
+    finally:
+        del engine.memory.step, engine.outbox.flush, engine.results.whole
+    after_ahead = [next((e for e in events[i + 1:] if e != "flush-empty"), None)
+                   for i, e in enumerate(events) if e == "ahead"]
+    assert after_ahead and set(after_ahead) == {"flush"}, events
