@@ -60,7 +60,7 @@ class ThreadTuner:
     to twice). A class starts on the preferred count (the first
     candidate) and tries the others only when there is a reason: the
     preferred count's steps became slower than the fastest it has shown
-    (``slowdown``: the load changed), or, rarely (every ``explore_every``-th
+    (``slowdown``, its average and its latest step: the load changed), or, rarely (every ``explore_every``-th
     step), to notice a change the times alone cannot show (the load went
     away while fewer threads run, or it was there from the start; when one
     class finds the load gone, every class off the preferred count rechecks
@@ -90,6 +90,7 @@ class ThreadTuner:
         self.quiet_backoff = quiet_backoff
         self._ema: dict[tuple[int, int], float] = {}   # (size class, threads) -> seconds per token
         self._fastest: dict[tuple[int, int], float] = {}
+        self._latest: dict[tuple[int, int], float] = {}
         self._seen: dict[int, int] = {}                # steps per size class
         self._exploring: tuple[int, int] | None = None  # the (class, threads) a choice went to try
         self._warm: set[tuple[int, int]] = set()       # (tokens, threads) run once already
@@ -123,7 +124,10 @@ class ThreadTuner:
         untried = [t for t in self.candidates if (size, t) not in self._ema]
         choice = best
         period = self._period.get(size, self.explore_every) if best == preferred else self.explore_every
-        if untried and self._ema[(size, preferred)] > self.slowdown * self._fastest[(size, preferred)]:
+        bar = self.slowdown * self._fastest[(size, preferred)]
+        # Slowed down: its average and its latest step (an average still falling
+        # after one slow step, the latest the fastest yet, is not load).
+        if untried and self._ema[(size, preferred)] > bar and self._latest[(size, preferred)] > bar:
             choice = untried[0]  # the preferred count slowed down: is another faster now?
             self._period[size] = self.explore_every
         elif n - self._last.get(size, 0) >= period:
@@ -162,6 +166,7 @@ class ThreadTuner:
         # A count tried after a while: its old average is stale, the fresh time stands.
         self._ema[key] = seconds if old is None or explored else old + self.alpha * (seconds - old)
         self._fastest[key] = min(seconds, self._fastest.get(key, seconds))
+        self._latest[key] = seconds
         if was_off and self._best(size) == preferred:
             # The load went away (it is the machine's, not a class's): every class
             # still off the preferred count tries it on its next step instead of

@@ -153,3 +153,17 @@ def test_a_class_that_finds_the_load_gone_sends_the_others_back():
         tuner.record(149, t, quiet[t] * 149)
         prefills.append(t)
     assert prefills == [2] * 8, prefills
+
+
+def test_a_fast_step_after_a_slow_one_is_not_a_slowdown():
+    # A fresh stack's lone 149-token prefills, traced: the first untimed, the
+    # second 36 ms (still warming), the third 23. The average (32) was still
+    # above 1.3x the fastest (23) and the next two prefills explored one
+    # thread (40 ms each) though the latest step was the fastest yet.
+    tuner = ThreadTuner((2, 1))
+    chosen = []
+    for seconds in (0.028, 0.036, 0.023, 0.024, 0.023, 0.023):
+        t = tuner.choose(149)
+        tuner.record(149, t, seconds if t == 2 else 0.040)
+        chosen.append(t)
+    assert chosen == [2] * 6
