@@ -60,11 +60,11 @@ class ThreadTuner:
     to twice). A class starts on the preferred count (the first
     candidate) and tries the others only when there is a reason: the
     preferred count's steps became slower than the fastest it has shown
-    (``slowdown``, its average and its latest step: the load changed), or, rarely (every ``explore_every``-th
-    step), to notice a change the times alone cannot show (the load went
-    away while fewer threads run, or it was there from the start; when one
-    class finds the load gone, every class off the preferred count rechecks
-    it at its next step). An
+    (``slowdown``, its average and its latest step: the load changed), or,
+    rarely (every ``explore_every``-th step), to notice a change the times
+    alone cannot show (the load went away while fewer threads run, or it
+    was there from the start; when one class finds the load gone, every
+    class off the preferred count rechecks it at its next step). An
     exploring step of a slower count costs up to twice a step, so on a quiet
     machine nearly every step runs on every core, and each exploration that
     finds the preferred count still best doubles the wait for the next (up
@@ -90,7 +90,7 @@ class ThreadTuner:
         self.quiet_backoff = quiet_backoff
         self._ema: dict[tuple[int, int], float] = {}   # (size class, threads) -> seconds per token
         self._fastest: dict[tuple[int, int], float] = {}
-        self._latest: dict[tuple[int, int], float] = {}
+        self._latest: dict[tuple[int, int], float] = {}  # its last timed step
         self._seen: dict[int, int] = {}                # steps per size class
         self._exploring: tuple[int, int] | None = None  # the (class, threads) a choice went to try
         self._warm: set[tuple[int, int]] = set()       # (tokens, threads) run once already
