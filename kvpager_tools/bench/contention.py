@@ -10,12 +10,20 @@ per output token in three phases: quiet, while ``--spinners`` busy-looping
 processes run, and after they stop. The figure to watch is ``after``'s
 first requests against ``quiet``: a tuner that stays on fewer threads once
 the load is gone shows there.
+
+With ``--vllm-python``, vLLM's OpenAI server (the compare-vllm settings)
+runs beside the stack and every phase alternates requests between the two
+(kvpager, vLLM, kvpager, ...), both over HTTP with the same client, ``--gap-s``
+apart (vLLM's CPU worker spins for about a second after a request; the loaded
+phase never goes quiet, so a fixed gap, not ``bc.settle``): the ratios of
+each phase's first token are kvpager's over vLLM's under the same load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -23,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from kvpager_tools.bench import common as bc
 
@@ -32,7 +41,8 @@ PHASES = ("quiet", "loaded", "after")
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(NAME, help="a lone stream's latency quiet, under CPU load, and after the load stops")
-    p.add_argument("--model", default="llama-30m", help="'llama-30m' (default), 'llama-0.5b', 'demo' or a checkpoint dir")
+    p.add_argument("--model", default="llama-30m",
+                   help="'llama-30m' (default), 'llama-0.5b', 'demo' or a checkpoint dir")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--prompt-len", type=int, default=149, help="prompt tokens (random ids, one prompt throughout)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -41,16 +51,20 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", default="6,10,24", metavar="QUIET,LOADED,AFTER",
                    help="requests in each phase, one at a time")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-python", metavar="PATH", help="python of a venv with vLLM: run it beside, same phases")
+    p.add_argument("--gap-s", type=float, default=None,
+                   help="pause between requests (default: 0 alone, 1.5 with --vllm-python)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
 
 
-def _one(address: str, request: bc.BenchRequest, salt: str) -> dict:
-    res = asyncio.run(bc.run_load(bc.Target(address=address), [request], ignore_eos=True, cache_salt=salt))
+def _one(target: bc.Target, request: bc.BenchRequest, salt: str) -> dict:
+    res = asyncio.run(bc.run_load(target, [request], ignore_eos=True, cache_salt=salt))
     rec = res.records[0]
     if not rec.ok:
         raise RuntimeError(f"{salt}: the request failed: {rec.error}")
-    return {"ttft_ms": round(rec.ttft_s * 1e3, 2), "tpot_ms": round(rec.tpot_s * 1e3, 3) if rec.tpot_s else None}
+    return {"ttft_ms": round(rec.ttft_s * 1e3, 2), "tpot_ms": round(rec.tpot_s * 1e3, 3) if rec.tpot_s else None,
+            "e2e_ms": round(rec.e2e_s * 1e3, 2)}
 
 
 def _spin(n: int) -> list[subprocess.Popen]:
@@ -64,14 +78,19 @@ def _phase_summary(rows: list[dict]) -> dict:
 
     half = rows[: max(1, len(rows) // 2)]
     return {"requests": len(rows), "ttft_ms": med("ttft_ms", rows), "tpot_ms": med("tpot_ms", rows),
+            "e2e_ms": med("e2e_ms", rows),
             "first_half_ttft_ms": med("ttft_ms", half), "ttft_ms_each": [r["ttft_ms"] for r in rows]}
 
 
-def measure(address: str, request: bc.BenchRequest, counts: dict[str, int], spinners: int) -> dict:
-    """``counts``: phase -> requests. One warm-up request first (a fresh
-    executor builds its kernels on its first shapes)."""
-    _one(address, request, f"contention-warmup-{time.time()}")
-    out: dict = {}
+def measure(targets: dict[str, bc.Target], request: bc.BenchRequest, counts: dict[str, int], spinners: int,
+            gap_s: float = 0.0) -> dict:
+    """``targets``: label -> server, visited in turn for each request;
+    ``counts``: phase -> requests (each, to each server). Two warm-up
+    requests first (a fresh executor builds its kernels on its first shapes)."""
+    for label, target in targets.items():
+        for i in range(2):
+            _one(target, request, f"contention-warmup-{label}-{i}-{time.time()}")
+    out: dict = {label: {} for label in targets}
     procs: list[subprocess.Popen] = []
     try:
         for phase in PHASES:
@@ -86,15 +105,29 @@ def measure(address: str, request: bc.BenchRequest, counts: dict[str, int], spin
                 procs = []
             bc.progress(NAME, f"{phase}: {counts[phase]} requests, one at a time")
             load = os.getloadavg()[0]
-            rows = [_one(address, request, f"contention-{phase}-{i}-{time.time()}") for i in range(counts[phase])]
-            out[phase] = {**_phase_summary(rows), "loadavg_1m": load}
+            rows: dict[str, list[dict]] = {label: [] for label in targets}
+            for i in range(counts[phase]):
+                for label, target in targets.items():
+                    time.sleep(gap_s)
+                    rows[label].append(_one(target, request, f"contention-{phase}-{label}-{i}-{time.time()}"))
+            for label in targets:
+                out[label][phase] = {**_phase_summary(rows[label]), "loadavg_1m": load}
     finally:
         for p in procs:
             p.kill()
-    quiet = out["quiet"]["ttft_ms"]
-    if quiet:
-        out["after_first_half_ttft_vs_quiet"] = round(out["after"]["first_half_ttft_ms"] / quiet, 3)
-        out["loaded_ttft_vs_quiet"] = round(out["loaded"]["ttft_ms"] / quiet, 3)
+    for phases in out.values():
+        quiet = phases["quiet"]["ttft_ms"]
+        phases["after_first_half_ttft_vs_quiet"] = round(phases["after"]["first_half_ttft_ms"] / quiet, 3)
+        phases["loaded_ttft_vs_quiet"] = round(phases["loaded"]["ttft_ms"] / quiet, 3)
+    if "vllm" in out:
+        out["ttft_ratio_vs_vllm"] = {phase: round(out["kvpager"][phase]["ttft_ms"] / out["vllm"][phase]["ttft_ms"], 3)
+                                     for phase in PHASES}
+        # A server whose stream stalls under load sends its tokens together at the
+        # end: its first token is then its last, and end to end is the fair figure.
+        out["e2e_ratio_vs_vllm"] = {phase: round(out["kvpager"][phase]["e2e_ms"] / out["vllm"][phase]["e2e_ms"], 3)
+                                    for phase in PHASES}
+        out["after_first_half_ttft_ratio_vs_vllm"] = round(
+            out["kvpager"]["after"]["first_half_ttft_ms"] / out["vllm"]["after"]["first_half_ttft_ms"], 3)
     return out
 
 
@@ -111,11 +144,22 @@ def _main(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     request = bc.BenchRequest(prompt_ids=[rng.randrange(lo, hi) for _ in range(args.prompt_len)],
                               max_tokens=args.max_new_tokens)
+    gap_s = args.gap_s if args.gap_s is not None else (1.5 if args.vllm_python else 0.0)
     opts = bc.StackOptions(model=model, dtype=args.dtype, num_blocks=512)
-    with bc.embedded_stack(opts) as stack:
-        result = measure(stack.addresses.gateway, request, dict(zip(PHASES, counts)), args.spinners)
+    with contextlib.ExitStack() as es:
+        targets = {}
+        if args.vllm_python:
+            from kvpager_tools.bench.compare_vllm_online import vllm_server
+
+            url = es.enter_context(vllm_server(Path(args.vllm_python), model, args.dtype, max_num_seqs=32,
+                                               max_model_len=max(512, args.prompt_len + args.max_new_tokens + 1)))
+            targets["vllm"] = bc.Target(backend="openai", base_url=url)
+        stack = es.enter_context(bc.embedded_stack(opts))
+        targets = {"kvpager": bc.Target(backend="openai", base_url=stack.addresses.http), **targets}
+        result = measure(targets, request, dict(zip(PHASES, counts)), args.spinners, gap_s)
     result = {"benchmark": NAME, "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
               "max_new_tokens": args.max_new_tokens, "spinners": args.spinners, "cpus": os.cpu_count(),
+              "gap_s": gap_s, "client": "streamed /v1/completions, token-id prompt, greedy, ignore_eos",
               **result}
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -114,11 +114,16 @@ def test_contention(stack, model):
 
     lo, hi = bc.token_range(model)
     request = bc.BenchRequest(prompt_ids=list(range(lo, lo + 20)), max_tokens=4)
-    out = measure(stack.addresses.gateway, request, {"quiet": 1, "loaded": 1, "after": 2}, spinners=1)
-    assert [out[p]["requests"] for p in ("quiet", "loaded", "after")] == [1, 1, 2]
-    assert all(out[p]["ttft_ms"] > 0 and out[p]["tpot_ms"] > 0 for p in ("quiet", "loaded", "after"))
-    assert len(out["after"]["ttft_ms_each"]) == 2
-    assert out["after_first_half_ttft_vs_quiet"] > 0
+    targets = {"grpc": bc.Target(address=stack.addresses.gateway),
+               "http": bc.Target(backend="openai", base_url=stack.addresses.http)}
+    out = measure(targets, request, {"quiet": 1, "loaded": 1, "after": 2}, spinners=1)
+    for label in targets:
+        assert [out[label][p]["requests"] for p in ("quiet", "loaded", "after")] == [1, 1, 2]
+        assert all(0 < out[label][p]["ttft_ms"] <= out[label][p]["e2e_ms"] and out[label][p]["tpot_ms"] > 0
+                   for p in ("quiet", "loaded", "after"))
+        assert len(out[label]["after"]["ttft_ms_each"]) == 2
+        assert out[label]["after_first_half_ttft_vs_quiet"] > 0
+    json.dumps(out)
 
 
 def test_overhead(stack, model):
