@@ -5,8 +5,8 @@ A CPU executor shares its cores with whatever else the machine runs; it
 picks each step's thread count from measured step times
 (executor_service/cpu.py). This runs the stack on the model, sends one
 request at a time (the same prompt, a fresh cache salt each, so every
-prefill computes) and reports each request's time to first token and time
-per output token in three phases: quiet, while ``--spinners`` busy-looping
+prefill computes) and reports each request's time to first token, time
+per output token and end-to-end time in three phases: quiet, while ``--spinners`` busy-looping
 processes run, and after they stop. The figure to watch is ``after``'s
 first requests against ``quiet``: a tuner that stays on fewer threads once
 the load is gone shows there.
@@ -15,8 +15,8 @@ With ``--vllm-python``, vLLM's OpenAI server (the compare-vllm settings)
 runs beside the stack and every phase alternates requests between the two
 (kvpager, vLLM, kvpager, ...), both over HTTP with the same client, ``--gap-s``
 apart (vLLM's CPU worker spins for about a second after a request; the loaded
-phase never goes quiet, so a fixed gap, not ``bc.settle``): the ratios of
-each phase's first token are kvpager's over vLLM's under the same load.
+phase never goes quiet, so a fixed gap, not ``bc.settle``): each phase's
+first-token and end-to-end ratios are kvpager's over vLLM's under the same load.
 """
 
 from __future__ import annotations
@@ -120,14 +120,14 @@ def measure(targets: dict[str, bc.Target], request: bc.BenchRequest, counts: dic
         phases["after_first_half_ttft_vs_quiet"] = round(phases["after"]["first_half_ttft_ms"] / quiet, 3)
         phases["loaded_ttft_vs_quiet"] = round(phases["loaded"]["ttft_ms"] / quiet, 3)
     if "vllm" in out:
-        out["ttft_ratio_vs_vllm"] = {phase: round(out["kvpager"][phase]["ttft_ms"] / out["vllm"][phase]["ttft_ms"], 3)
-                                     for phase in PHASES}
+        def ratio(phase: str, key: str) -> float:
+            return round(out["kvpager"][phase][key] / out["vllm"][phase][key], 3)
+
+        out["ttft_ratio_vs_vllm"] = {phase: ratio(phase, "ttft_ms") for phase in PHASES}
         # A server whose stream stalls under load sends its tokens together at the
         # end: its first token is then its last, and end to end is the fair figure.
-        out["e2e_ratio_vs_vllm"] = {phase: round(out["kvpager"][phase]["e2e_ms"] / out["vllm"][phase]["e2e_ms"], 3)
-                                    for phase in PHASES}
-        out["after_first_half_ttft_ratio_vs_vllm"] = round(
-            out["kvpager"]["after"]["first_half_ttft_ms"] / out["vllm"]["after"]["first_half_ttft_ms"], 3)
+        out["e2e_ratio_vs_vllm"] = {phase: ratio(phase, "e2e_ms") for phase in PHASES}
+        out["after_first_half_ttft_ratio_vs_vllm"] = ratio("after", "first_half_ttft_ms")
     return out
 
 
@@ -136,8 +136,8 @@ def _main(args: argparse.Namespace) -> int:
     if len(counts) != 3 or min(counts) < 1:
         print("--requests takes three positive counts: QUIET,LOADED,AFTER", file=sys.stderr)
         return 2
-    if args.spinners < 1 or args.prompt_len < 1 or args.max_new_tokens < 2:
-        print("--spinners and --prompt-len must be >= 1, --max-new-tokens >= 2", file=sys.stderr)
+    if args.spinners < 1 or args.prompt_len < 1 or args.max_new_tokens < 2 or (args.gap_s or 0) < 0:
+        print("--spinners and --prompt-len must be >= 1, --max-new-tokens >= 2, --gap-s >= 0", file=sys.stderr)
         return 2
     model = str(bc.model_dir(args.model))
     lo, hi = bc.token_range(model)

@@ -114,8 +114,9 @@ def test_contention(stack, model):
 
     lo, hi = bc.token_range(model)
     request = bc.BenchRequest(prompt_ids=list(range(lo, lo + 20)), max_tokens=4)
-    targets = {"grpc": bc.Target(address=stack.addresses.gateway),
-               "http": bc.Target(backend="openai", base_url=stack.addresses.http)}
+    # The same stack over gRPC and over HTTP, the second standing in for vLLM (its ratios computed).
+    targets = {"kvpager": bc.Target(address=stack.addresses.gateway),
+               "vllm": bc.Target(backend="openai", base_url=stack.addresses.http)}
     out = measure(targets, request, {"quiet": 1, "loaded": 1, "after": 2}, spinners=1)
     for label in targets:
         assert [out[label][p]["requests"] for p in ("quiet", "loaded", "after")] == [1, 1, 2]
@@ -123,6 +124,9 @@ def test_contention(stack, model):
                    for p in ("quiet", "loaded", "after"))
         assert len(out[label]["after"]["ttft_ms_each"]) == 2
         assert out[label]["after_first_half_ttft_vs_quiet"] > 0
+    assert set(out["ttft_ratio_vs_vllm"]) == set(out["e2e_ratio_vs_vllm"]) == {"quiet", "loaded", "after"}
+    assert all(r > 0 for r in [*out["ttft_ratio_vs_vllm"].values(), *out["e2e_ratio_vs_vllm"].values()])
+    assert out["after_first_half_ttft_ratio_vs_vllm"] > 0
     json.dumps(out)
 
 
