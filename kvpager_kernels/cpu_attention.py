@@ -35,23 +35,28 @@ SHORT_QUERY = 16
 # docs/benchmarks.md); decodes walk their one query. 0: never.
 TILE_MIN_QUERY = 2
 # Longer chunks use it too while (query rows x attended context) stays within
-# this many pairs for the pool's dtype, by whether the CPU has AMX; past it,
-# the chunk's gather + SDPA wins. The crossovers measured (docs/kernels.md):
-# on an AVX-512 + AMX Xeon 16-bit SDPA reaches the matrix units and wins from
-# ~90 x 90, fp32 from ~180 x 180; on an AVX-512 BF16 EPYC (no AMX) the kernel
-# is ahead up to 2,048 x 2,048 in bf16 and 1,024 x 1,024 in fp32.
+# this many pairs for the pool's dtype, by the CPU's class
+# (``cpu_build.cpu_class``); past it, the chunk's gather + SDPA wins. The
+# crossovers measured (docs/kernels.md): on an AVX-512 + AMX Xeon 16-bit SDPA
+# reaches the matrix units and wins from ~90 x 90, fp32 from ~180 x 180.
+# Without AMX, with AVX512-BF16 (bf16 tiles on its pair dot product), the
+# kernel stays ahead in bf16 up to 2,048 x 16,384 and 1,024 x 32,768 (0.4-0.7
+# of SDPA's time on a Zen 5 EPYC) and in fp32 up to 2,048 x 2,048 (0.47
+# there, level on a Zen 4 EPYC); elsewhere the budgets the fp32 kernel
+# measured before the pair kernel existed.
 IN_PLACE_PAIRS = {
-    True: {torch.float32: 32768, torch.bfloat16: 8192, torch.float16: 8192},
-    False: {torch.float32: 1 << 20, torch.bfloat16: 1 << 22, torch.float16: 1 << 22},
+    "amx": {torch.float32: 32768, torch.bfloat16: 8192, torch.float16: 8192},
+    "avx512_bf16": {torch.float32: 1 << 22, torch.bfloat16: 1 << 25, torch.float16: 1 << 22},
+    "other": {torch.float32: 1 << 20, torch.bfloat16: 1 << 22, torch.float16: 1 << 22},
 }
 
 
-def in_place_pairs(dtype: torch.dtype | None, amx: bool | None = None) -> int:
-    """The in-place budget for a ``dtype`` pool (0 for None); ``amx``: the
-    CPU's (None = this machine's)."""
+def in_place_pairs(dtype: torch.dtype | None, cpu: str | None = None) -> int:
+    """The in-place budget for a ``dtype`` pool (0 for None); ``cpu``: a key
+    of ``IN_PLACE_PAIRS`` (None = this machine's ``cpu_build.cpu_class()``)."""
     if dtype is None:
         return 0
-    return IN_PLACE_PAIRS[cpu_build.has_amx() if amx is None else amx].get(dtype, 0)
+    return IN_PLACE_PAIRS[cpu or cpu_build.cpu_class()].get(dtype, 0)
 
 
 def available() -> bool:

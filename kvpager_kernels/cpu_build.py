@@ -60,9 +60,18 @@ def cpu_flags() -> str:
 @functools.cache
 def has_amx() -> bool:
     """Whether the CPU has AMX tiles for bf16 (oneDNN's 16-bit matmuls and
-    SDPA run on them; ``kvpager_kernels.cpu_attention`` picks its crossover by it,
-    every step: read once)."""
+    SDPA run on them; read once: asked every step)."""
     return "amx_bf16" in cpu_flags().split()
+
+
+@functools.cache
+def cpu_class() -> str:
+    """Which in-place attention budgets fit this CPU (``kvpager_kernels.cpu_attention``,
+    asked every step): "amx", "avx512_bf16" (no AMX; the kernels' bf16 tiles
+    use its pair dot product) or "other"."""
+    if has_amx():
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in cpu_flags().split() else "other"
 
 
 def _tag() -> str:

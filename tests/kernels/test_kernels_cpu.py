@@ -84,7 +84,7 @@ def test_plan_splits_chunks_by_work_and_dtype(monkeypatch):
     """Short queries always go in place; longer chunks while query rows x
     context stays within the dtype's budget on an AMX CPU; None keeps only
     short queries."""
-    monkeypatch.setattr(cpu_build, "has_amx", lambda: True)
+    monkeypatch.setattr(cpu_build, "cpu_class", lambda: "amx")
     seq_lens, q_lens = [5, 300, 90, 600], [5, 40, 90, 300]  # pairs: 25, 12,000, 8,100, 180,000
     batch = make_paged_batch(seq_lens, q_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                              dtype=torch.float32)
@@ -103,22 +103,31 @@ def test_plan_splits_chunks_by_work_and_dtype(monkeypatch):
     assert split(torch.bfloat16, window=8) == ([0, 1, 2], [135])  # 40 x 47 in budget now
 
     # Without AMX, 16-bit SDPA has no matrix units and the kernel keeps far larger chunks.
-    monkeypatch.setattr(cpu_build, "has_amx", lambda: False)
-    assert split(torch.bfloat16) == split(torch.float32) == ([0, 1, 2, 3], [])
-    assert split(None) == ([0], [5, 45, 135])
-    assert cpu_attention.in_place_pairs(torch.float32, amx=False) < 2048 * 2048 <= \
-        cpu_attention.in_place_pairs(torch.bfloat16, amx=False)
+    for cpu in ("avx512_bf16", "other"):
+        monkeypatch.setattr(cpu_build, "cpu_class", lambda cpu=cpu: cpu)
+        assert split(torch.bfloat16) == split(torch.float32) == ([0, 1, 2, 3], [])
+        assert split(None) == ([0], [5, 45, 135])
+    # Every chunk of a 2,048-token step of a 2,048-token prompt; in bf16 with
+    # the pair dot product, such a chunk 16,384 tokens into its context.
+    assert cpu_attention.in_place_pairs(torch.float32, "other") < 2048 * 2048 <= \
+        cpu_attention.in_place_pairs(torch.bfloat16, "other")
+    assert cpu_attention.in_place_pairs(torch.float32, "avx512_bf16") >= 2048 * 2048
+    assert cpu_attention.in_place_pairs(torch.bfloat16, "avx512_bf16") >= 2048 * 16384
 
 
-def test_amx_is_read_from_the_cpu_flags(monkeypatch):
+def test_cpu_class_is_read_from_the_cpu_flags(monkeypatch):
     try:
-        for flags, amx in (("flags : fpu avx512f avx512_bf16 amx_bf16 amx_tile", True),
-                           ("flags : fpu avx512f avx512_bf16", False)):
+        for flags, amx, cls in (("flags : fpu avx512f avx512_bf16 amx_bf16 amx_tile", True, "amx"),
+                                ("flags : fpu avx512f avx512_bf16", False, "avx512_bf16"),
+                                ("flags : fpu avx2 fma", False, "other")):
             monkeypatch.setattr(cpu_build, "cpu_flags", lambda flags=flags: flags)
             cpu_build.has_amx.cache_clear()
+            cpu_build.cpu_class.cache_clear()
             assert cpu_build.has_amx() is amx
+            assert cpu_build.cpu_class() == cls
     finally:
         cpu_build.has_amx.cache_clear()  # this machine's answer again
+        cpu_build.cpu_class.cache_clear()
 
 
 def test_attention_ignores_garbage_past_each_length():

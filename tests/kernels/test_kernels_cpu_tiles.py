@@ -50,12 +50,17 @@ def test_tiles_cross_blocks_of_any_size(monkeypatch, block_size):
     torch.testing.assert_close(tiled, walked, **TOL)
 
 
-def test_long_context_shrinks_the_tile(monkeypatch):
-    # 2,600 keys x 7 heads: the score rows of 16 tokens would pass 1 MiB,
-    # so tiles hold fewer tokens (tile_tokens); the answer is the same.
-    batch = make_paged_batch([2600], [40], num_heads=14, num_kv_heads=2, head_dim=64, block_size=16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_context_shrinks_the_tile(monkeypatch, dtype):
+    # 10,000 keys x 7 heads: the score rows of 16 tokens would pass 4 MiB,
+    # so tiles hold fewer tokens (tile_tokens: 14 here); the answer is the same.
+    batch = make_paged_batch([10_000], [40], num_heads=14, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
     tiled, walked = _both(batch, monkeypatch)
-    torch.testing.assert_close(tiled, walked, **TOL)
+    if dtype == torch.float32:
+        torch.testing.assert_close(tiled, walked, **TOL)
+    else:  # 10,000 fp32 sums in another order: a few more land on the other side of a bf16 rounding
+        torch.testing.assert_close(tiled.float(), walked.float(), atol=2 ** -6, rtol=2 ** -6)
+        assert (tiled == walked).float().mean().item() >= 0.95
 
 
 def test_tiles_read_nothing_past_each_length_and_leave_other_rows():
@@ -117,3 +122,28 @@ def test_bf16_tiles_read_nothing_past_each_length(monkeypatch):
     poison_unread(batch)
     got, _ = _both(batch, monkeypatch)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 128])
+@pytest.mark.parametrize("group", [1, 7])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_bf16_tiles_in_pairs_of_keys_and_dims(monkeypatch, head_dim, group, block_size):
+    """Where the CPU has AVX512-BF16, bf16 tiles run on its pair dot product:
+    odd contexts and odd blocks (a pair of keys across two blocks, a zero key
+    past the end), 40 pairs of dims (head_dim 80), a cached prefix, every
+    thread count. The walk's values and transformers' eager bf16 bits but for
+    rare ties."""
+    batch = make_paged_batch([203, 77, 2], [203, 31, 2], num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                             block_size=block_size, dtype=torch.bfloat16)
+    eager = eager_attention(batch)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            tiled, walked = _both(batch, monkeypatch)
+            torch.testing.assert_close(tiled.float(), walked.float(), atol=2 ** -6, rtol=2 ** -6)
+            for got in (tiled, walked):
+                same = (got == eager).float().mean().item()
+                assert same >= 0.99, f"{same:.3f} of the elements as transformers' eager bf16 attention"
+    finally:
+        torch.set_num_threads(before)
