@@ -13,10 +13,12 @@
 //   mask     ST[key][row] = -inf past the row's position (causal)
 //   softmax  down the keys, 16 rows a vector (max, exp, sum, * 1/sum)
 //   values   O[row] = sum_key ST[key][row] * V[key]     up to 6 rows x D a step
-// The softmax and the value sums are the per-token walk's arithmetic (the
-// same exp, probabilities scaled by 1/sum, values summed key by key); the
-// scores differ in summation order only (along D in one chain, not in 16
-// lanes reduced by a tree), so outputs agree to a few ulp.
+// The softmax and the value sums are the per-token walk's arithmetic
+// (probabilities scaled by 1/sum, values summed key by key) but for the exp,
+// vexp16's polynomial with fused multiply-adds (vexp16_fma: exps within an
+// ulp or two, 10-12 % off a tile's time); the scores differ in summation
+// order (along D in one chain, not in 16 lanes reduced by a tree), so
+// outputs agree to a few ulp.
 //
 // bf16 (T = c10::BFloat16): the same tiles in fp32 (K rows converted a block
 // at a time, V once a tile), rounded where the walk rounds, which is where
@@ -421,7 +423,7 @@ void attend_tile_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t key = 0; key < L; ++key) {
       float* s = st + key * rp + 16 * j;
-      const __m512 e = vexp16(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
+      const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
       _mm512_storeu_ps(s, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -547,7 +549,7 @@ void attend_tile(const TileJob<T>& jb, TileScratch& sc) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t key = 0; key < L; ++key) {
       float* s = st + key * rp + 16 * j;
-      const __m512 e = vexp16(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
+      const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
       _mm512_storeu_ps(s, e);
       sum = _mm512_add_ps(sum, e);
     }
