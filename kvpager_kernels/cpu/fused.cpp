@@ -225,14 +225,21 @@ void silu_mul_rows(const T* src, T* op, int64_t rows, int64_t I, int64_t s0) {
       S* o = reinterpret_cast<S*>(op + t * I);
       int64_t i = 0;
 #if defined(__AVX512F__)
+      // Explicit vectors (GCC's form of the loop below ran 2.5x slower than
+      // fp32 for bf16) with the fused exp (vec.h): the exp was half of a call.
+      const __m512 one = _mm512_set1_ps(1.f), neg = _mm512_set1_ps(-0.f);
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        // Explicit vectors: GCC's form of the loop below ran 2.5x slower than fp32 for bf16.
-        const __m512 one = _mm512_set1_ps(1.f);
         for (; i + 16 <= I; i += 16) {
           const __m512 x = kvpager::bf16x16_load(g + i);
-          const __m512 e = kvpager::vexp16(_mm512_xor_ps(x, _mm512_set1_ps(-0.f)));  // -x
+          const __m512 e = kvpager::vexp16_fma(_mm512_xor_ps(x, neg));  // exp(-x)
           const __m512 a = kvpager::bf16x16_round(_mm512_div_ps(x, _mm512_add_ps(one, e)));
           kvpager::bf16x16_store(o + i, _mm512_mul_ps(a, kvpager::bf16x16_load(u + i)));
+        }
+      } else if constexpr (std::is_same_v<T, float>) {
+        for (; i + 16 <= I; i += 16) {
+          const __m512 x = _mm512_loadu_ps(g + i);
+          const __m512 e = kvpager::vexp16_fma(_mm512_xor_ps(x, neg));
+          _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
         }
       }
 #endif
