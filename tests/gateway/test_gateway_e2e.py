@@ -135,7 +135,19 @@ async def test_abort_rpc_ends_stream_with_abort(stack):
 
 
 async def test_deadline_frees_blocks(stack):
+    # The deadline must land mid-generation on any machine (a fixed 0.3 s let
+    # a fast one finish 240 tokens first): 1.5 times what 64 tokens take
+    # (their first token included), for a request of 250 (the model's context
+    # is 256).
+    t0 = asyncio.get_running_loop().time()
+    await generate(stack.gw, [1, 2, 3, 4], max_tokens=64, ignore_eos=True)
+    deadline = 1.5 * (asyncio.get_running_loop().time() - t0)
+    call = stack.gw.Generate(gateway_pb2.GenerateRequest(
+        prompt_token_ids=[1, 2, 3, 4], sampling_params=dict(max_tokens=250, ignore_eos=True)), timeout=deadline)
+    got = 0
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await generate(stack.gw, [1, 2, 3, 4], max_tokens=240, ignore_eos=True, timeout=0.3)
+        async for r in call:
+            got += len(r.token_ids)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0 < got < 250  # it held blocks when the deadline passed
     await stack.wait_idle(10)
