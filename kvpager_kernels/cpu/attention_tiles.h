@@ -142,6 +142,48 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
+// Each row's query vector and position for a tile of R rows (rp padded).
+template <typename T>
+inline void tile_rows(const TileJob<T>& jb, TileScratch& sc, int64_t R, int64_t rp, int64_t L) {
+  const int64_t G = jb.group;
+  sc.pos.resize(rp);
+  sc.rows.resize(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = r / G;
+    sc.rows[r] = jb.q + (jb.q0 + t) * jb.q_s0 + (jb.kvh * G + r % G) * jb.q_s1;
+    sc.pos[r] = static_cast<int32_t>(jb.pos0 + t);
+  }
+  for (int64_t r = R; r < rp; ++r) sc.pos[r] = static_cast<int32_t>(L - 1);  // padding sees real keys: no NaN
+}
+
+// Causal mask on the scores st [L][rp]: only the tile's own later tokens
+// (keys past pos0) lie past a row's position.
+inline void tile_mask(float* st, int64_t rp, const int32_t* pos, int64_t pos0, int64_t L) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t key = pos0 + 1; key < L; ++key)
+    for (int64_t j = 0; j < rp / 16; ++j) {
+      const __m512i p = _mm512_loadu_si512(pos + 16 * j);
+      const __mmask16 past = _mm512_cmplt_epi32_mask(p, _mm512_set1_epi32(static_cast<int32_t>(key)));
+      float* s = st + key * rp + 16 * j;
+      _mm512_storeu_ps(s, _mm512_mask_mov_ps(_mm512_loadu_ps(s), past, ninf));
+    }
+}
+
+// Softmax of rows [16j, 16j + 16) down the L keys: their scores replaced by
+// exp(score - max) in place; returns 1 / each row's sum of them.
+inline __m512 tile_exps(float* st, int64_t rp, int64_t j, int64_t L) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t key = 0; key < L; ++key) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + key * rp + 16 * j));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t key = 0; key < L; ++key) {
+    float* s = st + key * rp + 16 * j;
+    const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
+    _mm512_storeu_ps(s, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+}
+
 // st[i][16j..] = (K[key_i] . QT[.][16j..]) * scale for NK keys and J vectors
 // of rows (NK * J accumulators; 6 x 4 leaves room for the operands).
 // R16: rounded as bf16 (the product, then the scaled score).
@@ -342,8 +384,6 @@ void attend_tile_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
   if (static_cast<int64_t>(sc.st.size()) < L * rp) sc.st.resize(L * rp);
   if (static_cast<int64_t>(sc.pp.size()) < LP * rp) sc.pp.resize(LP * rp);
   if (static_cast<int64_t>(sc.vp.size()) < LP * D) sc.vp.resize(LP * D);
-  sc.pos.resize(rp);
-  sc.rows.resize(R);
   auto key_row = [&](const T* base, int64_t s0, int64_t s1, int64_t s2, int64_t key) {
     return base + static_cast<int64_t>(jb.table[key / BS]) * s0 + (key % BS) * s1 + jb.kvh * s2;
   };
@@ -358,12 +398,7 @@ void attend_tile_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
       _mm512_storeu_si512(vp + m * D + 16 * c, pair16(a, b));
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = r / G;
-    sc.rows[r] = jb.q + (jb.q0 + t) * jb.q_s0 + (jb.kvh * G + r % G) * jb.q_s1;
-    sc.pos[r] = static_cast<int32_t>(jb.pos0 + t);
-  }
-  for (int64_t r = R; r < rp; ++r) sc.pos[r] = static_cast<int32_t>(L - 1);  // padding sees real keys: no NaN
+  tile_rows(jb, sc, R, rp, L);
   // Q as pairs of dims, [P][rp]: 16 rows x 16 pairs a register transpose.
   uint32_t* qp = sc.qp.data();
   for (int64_t j = 0; j < rp / 16; ++j)
@@ -407,27 +442,10 @@ void attend_tile_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
 
   // Causal mask and softmax as attend_tile's; the probabilities go out as
   // bf16 pairs of keys (a zero probability past an odd context's end).
-  const int64_t nv = rp / 16;
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t key = jb.pos0 + 1; key < L; ++key)
-    for (int64_t j = 0; j < nv; ++j) {
-      const __m512i p = _mm512_loadu_si512(sc.pos.data() + 16 * j);
-      const __mmask16 past = _mm512_cmplt_epi32_mask(p, _mm512_set1_epi32(static_cast<int32_t>(key)));
-      float* s = st + key * rp + 16 * j;
-      _mm512_storeu_ps(s, _mm512_mask_mov_ps(_mm512_loadu_ps(s), past, ninf));
-    }
+  tile_mask(st, rp, sc.pos.data(), jb.pos0, L);
   uint32_t* pp = sc.pp.data();
-  for (int64_t j = 0; j < nv; ++j) {
-    __m512 mx = ninf;
-    for (int64_t key = 0; key < L; ++key) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + key * rp + 16 * j));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t key = 0; key < L; ++key) {
-      float* s = st + key * rp + 16 * j;
-      const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
-      _mm512_storeu_ps(s, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+  for (int64_t j = 0; j < rp / 16; ++j) {
+    const __m512 inv = tile_exps(st, rp, j, L);
     for (int64_t m = 0; m < LP; ++m) {
       const __m256i a = bits16(_mm512_mul_ps(_mm512_loadu_ps(st + 2 * m * rp + 16 * j), inv));
       const __m256i b = 2 * m + 1 < L ? bits16(_mm512_mul_ps(_mm512_loadu_ps(st + (2 * m + 1) * rp + 16 * j), inv))
@@ -469,8 +487,7 @@ void attend_tile(const TileJob<T>& jb, TileScratch& sc) {
   const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
   if (static_cast<int64_t>(sc.qt.size()) < D * rp) sc.qt.resize(D * rp);
   if (static_cast<int64_t>(sc.st.size()) < L * rp) sc.st.resize(L * rp);
-  sc.pos.resize(rp);
-  sc.rows.resize(R);
+  tile_rows(jb, sc, R, rp, L);
   const int64_t BS = jb.block_size;
   ValueRows<T> vrows{nullptr, D};
   if constexpr (R16) {
@@ -484,12 +501,6 @@ void attend_tile(const TileJob<T>& jb, TileScratch& sc) {
   }
   float* qt = sc.qt.data();
   float* st = sc.st.data();
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = r / G;
-    sc.rows[r] = jb.q + (jb.q0 + t) * jb.q_s0 + (jb.kvh * G + r % G) * jb.q_s1;
-    sc.pos[r] = static_cast<int32_t>(jb.pos0 + t);
-  }
-  for (int64_t r = R; r < rp; ++r) sc.pos[r] = static_cast<int32_t>(L - 1);  // padding sees real keys: no NaN
   for (int64_t j = 0; j < rp / 16; ++j)  // QT, 16 rows x 16 dims a register transpose
     for (int c = 0; c < C; ++c) {
       __m512 blk[16];
@@ -531,29 +542,11 @@ void attend_tile(const TileJob<T>& jb, TileScratch& sc) {
     }
   }
 
-  // Causal mask: only the tile's own later tokens lie past a row's position.
-  const int64_t nv = rp / 16;
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t key = jb.pos0 + 1; key < L; ++key)
-    for (int64_t j = 0; j < nv; ++j) {
-      const __m512i p = _mm512_loadu_si512(sc.pos.data() + 16 * j);
-      const __mmask16 past = _mm512_cmplt_epi32_mask(p, _mm512_set1_epi32(static_cast<int32_t>(key)));
-      float* s = st + key * rp + 16 * j;
-      _mm512_storeu_ps(s, _mm512_mask_mov_ps(_mm512_loadu_ps(s), past, ninf));
-    }
+  tile_mask(st, rp, sc.pos.data(), jb.pos0, L);
 
   // Softmax down the keys, 16 rows a vector.
-  for (int64_t j = 0; j < nv; ++j) {
-    __m512 mx = ninf;
-    for (int64_t key = 0; key < L; ++key) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + key * rp + 16 * j));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t key = 0; key < L; ++key) {
-      float* s = st + key * rp + 16 * j;
-      const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
-      _mm512_storeu_ps(s, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+  for (int64_t j = 0; j < rp / 16; ++j) {
+    const __m512 inv = tile_exps(st, rp, j, L);
     for (int64_t key = 0; key < L; ++key) {
       float* s = st + key * rp + 16 * j;
       const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s), inv);
