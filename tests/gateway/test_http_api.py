@@ -6,6 +6,7 @@ tokenize, health, metrics — every block back afterwards."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -212,9 +213,15 @@ async def test_client_disconnect_mid_stream_frees_the_blocks(stack, name):
         assert len(stack.gateway.engine.requests) <= 1
     t = await stack.wait_idle(timeout_s=5)
     assert t.used_blocks == before.used_blocks == 0 and not stack.gateway.engine.requests
-    # a client that gives up on a non-streamed request aborts it too (240 tokens take
-    # ~0.4 s here in decode bursts, the default for a non-streamed request)
-    async with httpx.AsyncClient(base_url=stack.gateway.http_url, headers=auth(), timeout=0.1) as http:
+    # a client that gives up on a non-streamed request aborts it too: it waits half
+    # of what 64 tokens take here, for 240 (a fixed 0.1 s had a 4x margin on a fast machine)
+    async with httpx.AsyncClient(base_url=stack.gateway.http_url, headers=auth(), timeout=30) as http:
+        t0 = asyncio.get_running_loop().time()
+        r = await http.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 64,
+                                                     "ignore_eos": True})
+        assert r.status_code == 200
+        wait = (asyncio.get_running_loop().time() - t0) / 2
+    async with httpx.AsyncClient(base_url=stack.gateway.http_url, headers=auth(), timeout=wait) as http:
         with pytest.raises(httpx.TimeoutException):
             await http.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 240,
                                                      "ignore_eos": True})
