@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -300,6 +301,13 @@ inline void tile_values_rest(int rest, const TileJob<T>& jb, const ValueRows<T>&
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
+// One pair of bf16 read from the pool as 32 bits (memcpy: no aliasing of the bf16 storage).
+inline int32_t load_pair(const uint32_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
 // Two rows of sixteen bf16 (or one and zeros) as sixteen (a, b) pairs.
 inline __m512i pair16(__m256i a, __m256i b) {
   return _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
@@ -318,7 +326,7 @@ inline void pair_scores(const uint32_t* __restrict qp, int64_t rp, const uint32_
     __m512i qv[J];
     for (int j = 0; j < J; ++j) qv[j] = _mm512_loadu_si512(qp + p * rp + 16 * j);
     for (int i = 0; i < NK; ++i) {
-      const __m512bh kd = as_bh(_mm512_set1_epi32(static_cast<int>(krow[i][p])));
+      const __m512bh kd = as_bh(_mm512_set1_epi32(load_pair(krow[i] + p)));
       for (int j = 0; j < J; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], as_bh(qv[j]), kd);
     }
   }
