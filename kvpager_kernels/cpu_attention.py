@@ -41,12 +41,12 @@ TILE_MIN_QUERY = 2
 # reaches the matrix units and wins from ~90 x 90, fp32 from ~180 x 180.
 # Without AMX, with AVX512-BF16 (bf16 tiles on its pair dot product), the
 # kernel stays ahead in bf16 up to 2,048 x 16,384 and 1,024 x 32,768 (0.4-0.7
-# of SDPA's time on a Zen 5 EPYC) and in fp32 up to 2,048 x 4,096 and
-# 512 x 16,384 (0.34-0.75 there; level at 2,048 x 2,048 on a Zen 4 EPYC);
+# of SDPA's time on a Zen 5 EPYC) and in fp32 up to 2,048 x 8,192 and
+# 512 x 32,768 (0.34-0.63 there; level at 2,048 x 2,048 on a Zen 4 EPYC);
 # elsewhere the budgets the fp32 kernel measured before the pair kernel.
 IN_PLACE_PAIRS = {
     "amx": {torch.float32: 32768, torch.bfloat16: 8192, torch.float16: 8192},
-    "avx512_bf16": {torch.float32: 1 << 23, torch.bfloat16: 1 << 25, torch.float16: 1 << 22},
+    "avx512_bf16": {torch.float32: 1 << 24, torch.bfloat16: 1 << 25, torch.float16: 1 << 22},
     "other": {torch.float32: 1 << 20, torch.bfloat16: 1 << 22, torch.float16: 1 << 22},
 }
 
