@@ -36,7 +36,10 @@ LLAMA_30M = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, mod
 # A random Llama shaped like Qwen2.5-0.5B (compute-bound on CPU): head_dim 64.
 LLAMA_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
                  model_vocab_size=32000)
-BENCH_MODELS = {"llama-30m": LLAMA_30M, "llama-0.5b": LLAMA_05B}
+# The 30M Llama with 8,192 positions: prompts past one 2,048-token step
+# (`compare-vllm --model llama-30m-8k --min-input-len 3000 --max-input-len 6000`).
+LLAMA_30M_8K = dict(LLAMA_30M, max_position_embeddings=8192)
+BENCH_MODELS = {"llama-30m": LLAMA_30M, "llama-0.5b": LLAMA_05B, "llama-30m-8k": LLAMA_30M_8K}
 
 
 def progress(name: str, msg: str) -> None:
@@ -76,7 +79,7 @@ def settle(min_s: float, max_s: float = 10.0, busy_frac: float = 0.1, window_s: 
 
 
 def model_dir(name: str | None) -> Path:
-    """"demo" / None: the demo model; "llama-30m" / "llama-0.5b": the random
+    """"demo" / None: the demo model; "llama-30m" / "llama-0.5b" / "llama-30m-8k": the random
     benchmark Llamas (built once, shared with `kvpager bench executor`);
     anything else: a directory."""
     from kvpager_tools.demo_model import build_demo_model, default_demo_dir, ensure_demo_model

@@ -57,7 +57,8 @@ OFFLINE_MAX_BURST_MS = 60_000.0
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(NAME, help="kvpager stack vs vLLM (CPU build, offline), same model and prompts")
-    p.add_argument("--model", default="llama-30m", help="'llama-30m' (default), 'llama-0.5b' or a checkpoint dir")
+    p.add_argument("--model", default="llama-30m", help="'llama-30m' (default), 'llama-0.5b', 'llama-30m-8k' (8,192 positions, for long prompts) "
+                        "or a checkpoint dir")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--min-input-len", type=int, default=16)

@@ -177,3 +177,16 @@ def test_penalties_bytes_do_not_grow_with_the_context():
     t = executor_us(4, 64, 320, repeats=2)
     assert t["history_resolve_us"] > 0 and t["sample_penalties_us"] > 0
 
+
+
+def test_the_long_context_bench_model_is_the_30m_one_with_8192_positions(tmp_path):
+    from transformers import AutoConfig
+
+    from kvpager_tools.demo_model import build_demo_model
+
+    out = build_demo_model(tmp_path / "m", **bc.BENCH_MODELS["llama-30m-8k"])
+    cfg = AutoConfig.from_pretrained(out, local_files_only=True)
+    base = bc.BENCH_MODELS["llama-30m"]
+    assert cfg.max_position_embeddings == 8192
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == \
+        (base["hidden_size"], base["num_layers"], base["num_kv_heads"])
