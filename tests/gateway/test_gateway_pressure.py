@@ -51,9 +51,12 @@ async def test_priority_request_preempts_lower_priority(model):
     try:
         low = [asyncio.ensure_future(generate(stack.gw, [5 + i] * 10, max_tokens=40, ignore_eos=True, priority=10))
                for i in range(2)]
-        await asyncio.sleep(0.3)
+        seqs = stack.memory.state.manager.seqs
+        while not any(s.block_ids for s in list(seqs.values())):  # low holds blocks (no fixed wait: fast machines finish)
+            await asyncio.sleep(0.002)
         high = await generate(stack.gw, [99] * 12, max_tokens=8, ignore_eos=True, priority=0)
         assert len(high[0][0]) == 8
+        assert not all(f.done() for f in low)
         for res in await asyncio.gather(*low):
             assert len(res[0][0]) == 40
         t = await stack.wait_idle()
