@@ -65,8 +65,9 @@ inline __m512 vexp16(__m512 in) {
 // vexp16 with its multiply-adds fused and 2^n applied by scalef: 21
 // operations where vexp16 takes 33, the same reduction, polynomial and
 // special values; results within an ulp or two of vexp16's (fused roundings).
-// For the prefill tiles' softmax, where the exps are a third of the work; the
-// per-token walk keeps vexp16 (bit-identical to the scalar vexp).
+// For the prefill tiles' softmax (the exps were a third of a tile) and
+// silu_mul's vector loops (half of a call); the per-token walk keeps vexp16
+// (bit-identical to the scalar vexp).
 inline __m512 vexp16_fma(__m512 in) {
   const __m512 x = _mm512_min_ps(_mm512_max_ps(in, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
