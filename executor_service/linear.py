@@ -8,8 +8,9 @@ AVX-512 core idle there), for bf16 oneDNN's AVX512-BF16 / AMX kernels where
 the CPU has them (``packable``), and on a CPU without bf16 instructions a
 packed fp32 copy of a bf16 weight (``upcast_bf16``). On CUDA and where oneDNN
 is missing, plain ``F.linear``. Steps of at most
-``kvpager_kernels.packed_gemm.MAX_ROWS`` rows (decodes) read the same packed buffer
-with our own kernel where it has proved it can (``kvpager_kernels.packed_gemm``).
+``kvpager_kernels.packed_gemm.MAX_ROWS`` rows (decodes; in fp32 default-sized
+prefill steps too) read the same packed buffer with our own kernel where it has proved
+it can (``kvpager_kernels.packed_gemm``).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Linear:
         self._call = self._onednn if self.mode == "packed" else self._upcast
         if packed_gemm.usable(self.weight, self.out_features, self.in_features, bias):
             # Rows up to which our kernel serves the packed weight (0 = never).
-            self.small_rows = packed_gemm.MAX_ROWS
+            self.small_rows = packed_gemm.MAX_ROWS[self.weight.dtype]
             self._bias32 = None if bias is None else bias.float()
 
     @property

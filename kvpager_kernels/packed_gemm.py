@@ -1,10 +1,12 @@
-"""Decode-size matmuls on weights oneDNN has packed (``kvpager_kernels/cpu/packed_gemm.cpp``).
+"""Matmuls on weights oneDNN has packed (``kvpager_kernels/cpu/packed_gemm.cpp``).
 
 ``executor_service.linear.Linear`` keeps each CPU weight only in oneDNN's
-blocked layout. For a step of at most ``MAX_ROWS`` rows it calls this
-kernel on that same buffer (fp32 16 %, bf16 12 % faster than oneDNN's own
-kernels for the 0.5B Llama's linears at 32 rows on an AVX-512 EPYC:
-docs/benchmarks.md); larger steps keep oneDNN, ahead there.
+blocked layout. For a step of at most ``MAX_ROWS[dtype]`` rows (decode
+steps; in fp32 default-sized prefill steps too) it calls this kernel on that same
+buffer: on the Zen 5 EPYC 10-12 % faster than oneDNN's own kernels for the
+0.5B Llama's linears at 32 rows, and in fp32 2-5 % per shape at 512-2,048
+rows, ~10 % over a prefill step's mix of shapes (docs/benchmarks.md). Past
+``MAX_ROWS`` oneDNN serves.
 
 The packed tensor is opaque, so ``usable`` admits a weight only after the
 kernel's product on a few probe rows matched oneDNN's: a CPU whose oneDNN
@@ -20,9 +22,16 @@ import torch.nn.functional as F
 
 from kvpager_kernels import cpu_build
 
-# Rows up to which the kernel beats oneDNN (32-row decode steps; at 64 the
-# two were level in fp32).
-MAX_ROWS = 48
+# Rows up to which the kernel serves a weight, by dtype. fp32: a whole
+# default prefill step (``max_batch_tokens`` 2,048); beyond, the input no
+# longer stays in L3 while the panels stream past, and oneDNN ran ahead
+# (8,192 rows: the 0.5B q/k/v projection 7-22 % behind it, split into passes
+# or not). bf16: decode steps only. Its prefill keeps oneDNN, the library
+# transformers' own bf16 linears run on, whose order of sums ours does not
+# follow: with our kernel on prefill rows too (4 % off a 0.5B bf16 prefill
+# step) greedy bf16 output followed transformers' bf16 ``generate`` for 19.8
+# of 64 tokens on average instead of 34.8 (30M; 0.5B 10.5 instead of 12.1).
+MAX_ROWS = {torch.float32: 2048, torch.bfloat16: 48}
 PROBE_ROWS = 3
 # Probe agreement with oneDNN, relative to the largest output: only the
 # order of the sums differs (bf16: plus one rounding of the output).

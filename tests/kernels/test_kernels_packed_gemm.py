@@ -39,6 +39,19 @@ def test_matches_f_linear(dtype, rows, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [97, 2048])
+@pytest.mark.parametrize("shape", [(192, 96), (64, 4864)])
+def test_prefill_rows_match_f_linear(dtype, rows, shape):
+    """A prefill step's rows: many row tiles over each panel (97 rows: 12
+    tiles of 6 and 5 of 5), with k-blocks on the long K."""
+    n, k = shape
+    w, b, packed = _packed_or_skip(n, k, dtype, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(200 + rows)).to(dtype)
+    got = packed_gemm.gemm(x, packed, n, b.float())
+    torch.testing.assert_close(got.float(), packed_gemm.reference(x.float(), w.float(), b.float()), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_k_blocks_sum_as_one_pass(dtype):
     """A long K is taken in blocks (fp32 past 1,024, bf16 past 2,048) with the
     sums kept in fp32 between them: the same additions in the same order as a
@@ -63,16 +76,16 @@ def test_without_bias_and_with_no_rows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_takes_the_kernel_for_small_steps_only(dtype):
+def test_linear_takes_the_kernel_up_to_max_rows(dtype):
     _packed_or_skip(128, 64, dtype)
     g = torch.Generator().manual_seed(7)
     w = torch.randn(128, 64, generator=g).to(dtype)
     b = torch.randn(128, generator=g).to(dtype)
     lin = Linear(w, b)
-    assert lin.small_rows == packed_gemm.MAX_ROWS
+    assert lin.small_rows == packed_gemm.MAX_ROWS[dtype]
     onednn = lambda x: torch.ops.mkldnn._linear_pointwise(x, lin.weight, lin.bias, "none", [], "")  # noqa: E731
-    small = torch.randn(packed_gemm.MAX_ROWS, 64, generator=g).to(dtype)
-    large = torch.randn(packed_gemm.MAX_ROWS + 1, 64, generator=g).to(dtype)
+    small = torch.randn(packed_gemm.MAX_ROWS[dtype], 64, generator=g).to(dtype)
+    large = torch.randn(packed_gemm.MAX_ROWS[dtype] + 1, 64, generator=g).to(dtype)
     assert torch.equal(lin(small), packed_gemm.gemm(small, lin.weight, 128, b.float()))
     assert torch.equal(lin(large), onednn(large))
     torch.testing.assert_close(lin(small).float(), F.linear(small.float(), w.float(), b.float()), **TOL[dtype])
