@@ -75,6 +75,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "beyond llama-30m: fp32 parity is exact, bf16 agreement a statistic that needs them all)")
     p.add_argument("--max-batch-tokens", type=int, default=0, help="gateway per-step token budget (0: default)")
     p.add_argument("--max-running", type=int, default=0, help="gateway sequences per step (0: default)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="kvpager's tokens per KV block (16, kvpager up's default; vLLM's CPU build uses 128)")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help=f"gateway decode burst length (default: {OFFLINE_SCHEDULER_STEPS} offline, where, as "
                         "with --stream-interval, the outputs are taken whole at the end as vLLM's LLM.generate "
@@ -261,7 +263,7 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
 def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
             vllm_python: Path, vllm_timeout_s: float = 1800.0, parity_sample: int | None = None,
             max_batch_tokens: int = 0, max_running: int = 0, settle_s: float = 1.0,
-            stream_interval: int = 0, num_scheduler_steps: int = 0) -> dict:
+            stream_interval: int = 0, num_scheduler_steps: int = 0, block_size: int = 16) -> dict:
     """Both engines loaded side by side, their timed rounds interleaved
     (vLLM, kvpager, vLLM, ...; before each round at least ``settle_s`` and
     until the machine is quiet, ``bc.settle``: vLLM's CPU worker spins about
@@ -269,8 +271,8 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
     kvpager requests' (0 = the gateway's default, every token)."""
     n = len(prompts)
     total_new = n * max_new_tokens
-    need_blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
-    opts = bc.StackOptions(model=model, dtype=dtype, num_blocks=max(256, need_blocks + 64),
+    need_blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+    opts = bc.StackOptions(model=model, dtype=dtype, num_blocks=max(256, need_blocks + 64), block_size=block_size,
                            max_batch_tokens=max_batch_tokens, max_running=max_running,
                            num_scheduler_steps=num_scheduler_steps,
                            max_burst_ms=OFFLINE_MAX_BURST_MS if num_scheduler_steps > 1 else 0.0)
@@ -314,6 +316,7 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
                    "kvpager": agreement(kv_outs[:k], ref), "vllm": agreement(final["outputs"][:k], ref),
                    "kvpager_vs_vllm": agreement(kv_outs, final["outputs"])},
         "settings": {"kvpager": {"stack": "kvpager up defaults", "dtype": dtype, "num_blocks": opts.num_blocks,
+                                 "block_size": block_size,
                                  "max_batch_tokens": max_batch_tokens or "default",
                                  "max_running": max_running or "default",
                                  "num_scheduler_steps": num_scheduler_steps or "default",
@@ -328,6 +331,8 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit("--single-rounds is for the online comparison (--online)")
     if args.single_rounds is not None and args.single_rounds < 0:
         raise SystemExit(f"--single-rounds must be >= 0, got {args.single_rounds}")
+    if args.block_size < 1:
+        raise SystemExit(f"--block-size must be >= 1, got {args.block_size}")
     model = str(bc.model_dir(args.model))
     python = setup_vllm(Path(args.setup_vllm)) if args.setup_vllm else Path(args.vllm_python)
     prompts = make_prompts(model, args.num_prompts, args.min_input_len, args.max_input_len, args.seed)
@@ -343,7 +348,7 @@ def _main(args: argparse.Namespace) -> int:
         result = compare_online(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
                                 vllm_python=python, vllm_timeout_s=args.vllm_timeout_s,
                                 max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
-                                num_scheduler_steps=args.num_scheduler_steps or 0,
+                                num_scheduler_steps=args.num_scheduler_steps or 0, block_size=args.block_size,
                                 single_rounds=SINGLE_ROUNDS if args.single_rounds is None else args.single_rounds)
     else:
         result = compare(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
@@ -351,7 +356,8 @@ def _main(args: argparse.Namespace) -> int:
                          max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                          num_scheduler_steps=(OFFLINE_SCHEDULER_STEPS if args.num_scheduler_steps is None
                                               else args.num_scheduler_steps),
-                         stream_interval=args.max_new_tokens if args.stream_interval is None else args.stream_interval)
+                         stream_interval=args.max_new_tokens if args.stream_interval is None else args.stream_interval,
+                         block_size=args.block_size)
     from kvpager_tools.bench.serve import machine
 
     result["machine"] = machine()

@@ -137,12 +137,12 @@ def single_stream(servers: dict[str, str], prompts: list[list[int]], max_new_tok
 def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
                    vllm_python: Path, vllm_timeout_s: float = 1800.0, max_batch_tokens: int = 0,
                    max_running: int = 0, num_scheduler_steps: int = 0, settle_s: float = 1.0,
-                   single_rounds: int = SINGLE_ROUNDS) -> dict:
+                   single_rounds: int = SINGLE_ROUNDS, block_size: int = 16) -> dict:
     requests = [bc.BenchRequest(prompt_ids=p, max_tokens=max_new_tokens) for p in prompts]
     total = len(prompts) * max_new_tokens
     max_len = max(512, max(len(p) for p in prompts) + max_new_tokens + 1)
-    need_blocks = sum(-(-(len(p) + max_new_tokens) // 16) for p in prompts)
-    opts = bc.StackOptions(model=model, dtype=dtype, num_blocks=max(256, need_blocks + 64),
+    need_blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
+    opts = bc.StackOptions(model=model, dtype=dtype, num_blocks=max(256, need_blocks + 64), block_size=block_size,
                            max_batch_tokens=max_batch_tokens, max_running=max_running,
                            num_scheduler_steps=num_scheduler_steps)
     with vllm_server(vllm_python, model, dtype, max_model_len=max_len, max_num_seqs=max(32, len(prompts)),
@@ -178,6 +178,7 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
         "settings": {"client": "kvpager bench serve's load generator: streamed /v1/completions, token-id prompts, "
                                "temperature 0, ignore_eos, every request at once",
                      "kvpager": {"stack": "kvpager up defaults, HTTP API", "num_blocks": opts.num_blocks,
+                                 "block_size": block_size,
                                  "max_batch_tokens": max_batch_tokens or "default",
                                  "max_running": max_running or "default",
                                  "num_scheduler_steps": num_scheduler_steps or "default"},

@@ -66,8 +66,9 @@ def test_single_stream_latency_of_each_server(stack):
 @pytest.mark.parametrize("argv, message", [
     (["--single-rounds", "3"], "--single-rounds is for the online comparison"),
     (["--online", "--single-rounds", "-1"], "--single-rounds must be >= 0"),
+    (["--block-size", "0"], "--block-size must be >= 1"),
 ])
-def test_compare_vllm_refuses_single_rounds_it_would_ignore(argv, message):
+def test_compare_vllm_refuses_flags_it_cannot_honour(argv, message):
     """Checked before anything is set up (no vLLM needed)."""
     from kvpager_tools.bench import compare_vllm
 
