@@ -188,30 +188,47 @@ int64_t k_block(int64_t K, int64_t elem_bytes) {
   return std::min(K, kb + (kb & 1));
 }
 
+// Rows of a band: where a weight has too few panels to occupy the threads
+// (a narrow weight on a many-core CPU), the rows of a large step are split
+// into bands of at least this many, each (band, panel) a unit of work, so
+// that a prefill step still takes every thread. A band reads its panels
+// again (from L3 while the bands run at once); decode steps stay one band.
+constexpr int64_t kBandRows = 48;
+
+// How many row bands M rows take beside `panels` panels on `threads` threads.
+int64_t row_bands(int64_t M, int64_t panels, int64_t threads) {
+  if (panels >= 2 * threads) return 1;
+  const int64_t want = (2 * threads + panels - 1) / panels;
+  return std::clamp<int64_t>(want, 1, std::max<int64_t>(1, M / kBandRows));
+}
+
 // part: fp32 [M, N] for the sums between k-blocks (unused with one block;
 // for fp32 it may be y itself: a tile reads its sums before it writes them).
 template <typename T, typename Fn>
 void for_each_panel(int64_t M, int64_t K, int64_t N, const T* x, const T* w, const float* bias, T* y, float* part,
                     Fn tile) {
-  // A thread takes a contiguous range of panels, so it walks the packed
-  // buffer in order and "next" is the panel it reads next. With k-blocks, it
-  // takes its panels block by block: the input rows' block stays in L2 while
-  // the panels stream past.
+  // A thread takes a contiguous range of units (band, panel), so it walks
+  // the packed buffer in order and "next" is the panel it reads next. With
+  // k-blocks, it takes its units block by block: the input rows' block stays
+  // in L2 while the panels stream past.
   const int64_t panels = N / kPanel;
   const int64_t KB = k_block(K, static_cast<int64_t>(sizeof(T)));
-  // Row tiles as equal as they come (32 rows: 6, 6, 5, 5, 5, 5, not five of
-  // 6 and one of 2): a short tile pays a panel's reload for few FMAs.
-  const int64_t tiles = (M + kRows - 1) / kRows, base = M / tiles, longer = M % tiles;
-  auto panel_ptr = [&](int64_t p, int64_t k0) { return w + p * K * kPanel + k0 * kPanel; };
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t bands = row_bands(M, panels, at::get_num_threads());
+  auto panel_ptr = [&](int64_t u, int64_t k0) { return w + (u % panels) * K * kPanel + k0 * kPanel; };
+  at::parallel_for(0, bands * panels, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
       const int64_t kl = std::min(KB, K - k0);
       const bool first = k0 == 0, last = k0 + kl == K;
-      for (int64_t p = p0; p < p1; ++p) {
-        const T* b = panel_ptr(p, k0);
-        const T* next = p + 1 < p1 ? panel_ptr(p + 1, k0) : (last ? nullptr : panel_ptr(p0, k0 + KB));
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t p = u % panels, band = u / panels;
+        const int64_t m0 = M * band / bands, m1 = M * (band + 1) / bands;
+        const T* b = panel_ptr(u, k0);
+        const T* next = u + 1 < u1 ? panel_ptr(u + 1, k0) : (last ? nullptr : panel_ptr(u0, k0 + KB));
         const float* bp = bias ? bias + p * kPanel : nullptr;
-        int64_t m = 0;
+        // Row tiles as equal as they come (32 rows: 6, 6, 5, 5, 5, 5, not
+        // five of 6 and one of 2): a short tile pays a panel's reload for few FMAs.
+        const int64_t tiles = (m1 - m0 + kRows - 1) / kRows, base = (m1 - m0) / tiles, longer = (m1 - m0) % tiles;
+        int64_t m = m0;
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t rows = base + (t < longer);
           // Every row tile asks for the next panel again: on the Zen 5 EPYC

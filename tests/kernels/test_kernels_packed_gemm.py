@@ -52,6 +52,27 @@ def test_prefill_rows_match_f_linear(dtype, rows, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_in_bands_when_panels_cannot_occupy_the_threads(dtype):
+    """A narrow weight (2 panels) on 8 threads: 300 rows go in 6 bands of 50
+    (at least 48 rows a band), every (band, panel) a unit of work. Each
+    output's sum is the same additions in the same order, so the product is
+    bit-identical to one thread's (one band), over k-blocks too."""
+    before = torch.get_num_threads()
+    for n, k in [(128, 96), (128, 4864)]:
+        w, b, packed = _packed_or_skip(n, k, dtype, seed=11)
+        x = torch.randn(300, k, generator=torch.Generator().manual_seed(12)).to(dtype)
+        try:
+            torch.set_num_threads(1)
+            one = packed_gemm.gemm(x, packed, n, b.float())
+            torch.set_num_threads(8)
+            banded = packed_gemm.gemm(x, packed, n, b.float())
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(one, banded)
+        torch.testing.assert_close(banded.float(), packed_gemm.reference(x.float(), w.float(), b.float()), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_k_blocks_sum_as_one_pass(dtype):
     """A long K is taken in blocks (fp32 past 1,024, bf16 past 2,048) with the
     sums kept in fp32 between them: the same additions in the same order as a
