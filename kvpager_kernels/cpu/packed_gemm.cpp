@@ -191,11 +191,13 @@ int64_t k_block(int64_t K, int64_t elem_bytes) {
 }
 
 // Rows of a band: where a weight has too few panels to occupy the threads
-// (a narrow weight on a many-core CPU), the rows of a large step are split
-// into bands of at least this many, each (band, panel) a unit of work, so
-// that a prefill step still takes every thread. A band reads its panels
-// again (from L3 while the bands run at once); decode steps stay one band.
-constexpr int64_t kBandRows = 48;
+// (a narrow weight on a many-core CPU), a step's rows are split into bands
+// of at least this many (two row tiles), each (band, panel) a unit of work,
+// so that a prefill step takes every thread and a 32-row decode step at
+// least twice as many as it has panels (the parallelism of the first form's
+// half panels). A band reads its panels again, from L3: the bands of one
+// panel run at the same time on different threads.
+constexpr int64_t kBandRows = 12;
 
 // How many row bands M rows take beside `panels` panels on `threads` threads.
 int64_t row_bands(int64_t M, int64_t panels, int64_t threads) {

@@ -1,6 +1,8 @@
-"""The small-row matmul on oneDNN-packed weights (``kvpager_kernels/cpu/packed_gemm.cpp``)
+"""The matmul on oneDNN-packed weights (``kvpager_kernels/cpu/packed_gemm.cpp``)
 against ``F.linear`` on the plain weight, and the checks that keep it off
 weights it cannot read."""
+
+import itertools
 
 import pytest
 import torch
@@ -53,14 +55,14 @@ def test_prefill_rows_match_f_linear(dtype, rows, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_in_bands_when_panels_cannot_occupy_the_threads(dtype):
-    """A narrow weight (2 panels) on 8 threads: 300 rows go in 6 bands of 50
-    (at least 48 rows a band), every (band, panel) a unit of work. Each
-    output's sum is the same additions in the same order, so the product is
-    bit-identical to one thread's (one band), over k-blocks too."""
+    """A narrow weight (2 panels) on 8 threads: 300 rows go in 8 bands, a
+    32-row decode step in 2 (at least 12 rows a band), every (band, panel) a
+    unit of work. Each output's sum is the same additions in the same order,
+    so the product is bit-identical to one thread's (one band), over k-blocks too."""
     before = torch.get_num_threads()
-    for n, k in [(128, 96), (128, 4864)]:
+    for (n, k), rows in itertools.product([(128, 96), (128, 4864)], [300, 32]):
         w, b, packed = _packed_or_skip(n, k, dtype, seed=11)
-        x = torch.randn(300, k, generator=torch.Generator().manual_seed(12)).to(dtype)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(12)).to(dtype)
         try:
             torch.set_num_threads(1)
             one = packed_gemm.gemm(x, packed, n, b.float())
