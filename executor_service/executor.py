@@ -28,6 +28,7 @@ from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidat
 from executor_service.kv_layout import make_layout, pool_tokens
 from executor_service.kv_pool import GIB, KvPool, block_bytes, num_blocks_for_bytes
 from executor_service.model_runner import ModelRunner, resolve_device
+from executor_service.greedy import greedy_only, greedy_tokens
 from executor_service.sampler import sample
 from executor_service.step import (
     PoolLimits,
@@ -352,7 +353,11 @@ class Executor:
             metrics.FORWARDS.labels(self.executor_id, "graph" if graphed else "eager").inc()
         t2 = time.perf_counter()
         top_counts = np.zeros(n, np.int64)
-        if num_tokens and len(batch.logits_indices):
+        logprobs = np.zeros(0, np.float32) if sampling.return_logprobs else None
+        top_ids, top_lps = np.zeros(0, np.int32), np.zeros(0, np.float32)
+        if num_tokens and len(batch.logits_indices) and greedy_only(sampling, n):
+            token_ids = greedy_tokens(logits)  # one row of logits per row: each samples
+        elif num_tokens and len(batch.logits_indices):
             rows = np.nonzero((sampling.num_samples > 0) | (sampling.num_top_logprobs > 0))[0]
             out = sample(logits, build_sampling_inputs(step, resolved, self.device, histories))
             token_ids = out.token_ids.to(torch.int32).cpu().numpy()
@@ -362,8 +367,6 @@ class Executor:
             top_lps = out.top_logprobs.float().cpu().numpy()
         else:
             token_ids = np.zeros(0, np.int32)
-            logprobs = np.zeros(0, np.float32) if sampling.return_logprobs else None
-            top_ids, top_lps = np.zeros(0, np.int32), np.zeros(0, np.float32)
         t3 = time.perf_counter()
         self.threads.record(num_tokens, threads, t3 - t1)
         self.costs.record_forward(num_tokens, t2 - t1)
