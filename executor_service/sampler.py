@@ -3,7 +3,7 @@ top-p, reproducible seeds.
 
 Randomness never comes from a global RNG or from a row's place in the batch.
 Each sampled token draws from a counter-based hash of
-``(seed, position, token_id)`` (splitmix64, vectorised in torch int64), so
+``(seed, position, token_id)`` (splitmix64; kvpager_kernels.gumbel), so
 the same request samples the same tokens whatever else shares its batch, in
 any order, across process restarts and machines. ``position`` is the
 absolute position the sampled token will occupy (context_len + query_len of
@@ -14,7 +14,7 @@ request with that seed alone would produce.
 
 The draw is an exponential race (the Gumbel-max trick): the token maximising
 ``log p_t - log(-log u_t)`` is an exact sample of ``p`` after the logits
-processing below.
+processing below (on CPU one pass of a C++ kernel, ``gumbel_argmax``).
 
 Processing, in vLLM's order (each step the same float32 arithmetic as
 transformers' own processor, so the result is exact against it):
@@ -45,37 +45,17 @@ from dataclasses import dataclass
 import torch
 
 from kvpager_kernels.greedy import argmax_rows
-
-# splitmix64 constants as signed int64 (torch has no uint64 arithmetic).
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
-
-
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finaliser over int64 tensors (wrapping arithmetic)."""
-    x = x + _GOLDEN
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    return x ^ _shr(x, 31)
-
+from kvpager_kernels.gumbel import gumbel_argmax, row_keys, token_uniforms
+from kvpager_kernels.sort_rows import sort_rows
 
 def hash_uniform(
     seeds: torch.Tensor, positions: torch.Tensor, sample_index: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
-    """Uniforms in (0, 1), one per (sample, token id).
+    """Uniforms in (0, 1), one per (sample, token id) (kvpager_kernels.gumbel).
 
     seeds, positions, sample_index: [N] int64 -> [N, vocab_size] float64.
     """
-    h = splitmix64(splitmix64(splitmix64(seeds) ^ positions) ^ sample_index)  # [N]
-    token_ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)  # [V]
-    bits = splitmix64(h[:, None] ^ token_ids[None, :])  # [N, V]
-    return (_shr(bits, 11).to(torch.float64) + 0.5) * (2.0**-53)
+    return token_uniforms(row_keys(seeds, positions, sample_index), vocab_size)
 
 
 @dataclass(slots=True)
@@ -129,7 +109,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     use_p = top_p < 1.0
     if not bool(use_k.any()) and not bool(use_p.any()):
         return logits
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [N, V]
+    sorted_logits, sorted_idx = sort_rows(logits)  # [N, V] descending, ties in token order
     if bool(use_k.any()):
         k = torch.where(use_k, top_k, torch.full_like(top_k, vocab)).clamp(1, vocab)
         kth = sorted_logits.gather(1, (k - 1)[:, None])  # [N, 1]
@@ -229,9 +209,8 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
                           inputs.top_p[r])  # [Nr, V]
             log_p = scaled.log_softmax(dim=-1)
             # keyed by (seed, position) only: completion i of n equals seed + i alone
-            u = hash_uniform(inputs.seeds[rand], inputs.positions[r], torch.zeros_like(r), vocab)
-            gumbel = -torch.log(-torch.log(u))  # [Nr, V] float64
-            token_ids[rand] = (log_p.double() + gumbel).argmax(dim=-1)
+            keys = row_keys(inputs.seeds[rand], inputs.positions[r], torch.zeros_like(r))  # [Nr]
+            token_ids[rand] = gumbel_argmax(log_p, keys)
 
     need_raw = inputs.return_logprobs or bool((inputs.num_top_logprobs > 0).any())
     raw = logits.float().log_softmax(dim=-1) if need_raw else None

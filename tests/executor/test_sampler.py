@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from executor_service.sampler import SamplingInputs, apply_top_k_top_p, hash_uniform, sample, splitmix64
+from executor_service.sampler import SamplingInputs, apply_top_k_top_p, hash_uniform, sample
+from kvpager_kernels.gumbel import splitmix64
 
 
 def _inputs(num_rows=1, *, num_samples=1, temperature=1.0, top_p=1.0, top_k=0, positions=None, seeds=None,
