@@ -119,6 +119,36 @@ def token_range(model: str | os.PathLike) -> tuple[int, int]:
 # ---- datasets ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class BenchSampling:
+    """How every request of a run samples, the same for each engine compared:
+    greedy unless a temperature is given."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if self.temperature == 0 and (self.top_p < 1 or self.top_k):
+            raise ValueError("top_p / top_k filter sampled tokens: give a temperature > 0 with them")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def as_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+
+GREEDY = BenchSampling()
+
+
 @dataclass(slots=True)
 class BenchRequest:
     prompt_ids: list[int]
@@ -383,19 +413,19 @@ class Target:
 async def run_load(target, requests: list[BenchRequest], *, rate: float = math.inf,
                    max_concurrency: int | None = None, ignore_eos: bool = True, seed: int = 0,
                    cache_salt: str = "", on_done=None, timeout_s: float = 3600.0,
-                   stream_interval: int = 0) -> LoadResult:
-    """Stream every request (greedy) to ``target`` (a gateway's gRPC address,
-    or a Target), recording token arrival times. ``on_done(record)`` is called
-    as each request finishes. A fresh ``cache_salt`` keeps earlier runs'
-    cached prefixes out of this one. ``stream_interval`` (gRPC only): the
-    requests' field (0 = the gateway's default; >= max_tokens = each
-    completion once, when it ends)."""
+                   stream_interval: int = 0, sampling: BenchSampling = GREEDY) -> LoadResult:
+    """Stream every request (greedy, or as ``sampling`` says) to ``target`` (a
+    gateway's gRPC address, or a Target), recording token arrival times.
+    ``on_done(record)`` is called as each request finishes. A fresh
+    ``cache_salt`` keeps earlier runs' cached prefixes out of this one.
+    ``stream_interval`` (gRPC only): the requests' field (0 = the gateway's
+    default; >= max_tokens = each completion once, when it ends)."""
     target = Target.of(target)
     offsets = arrival_offsets(len(requests), rate, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord(len(r.prompt_ids), r.max_tokens) for r in requests]
     in_flight = peak = 0
-    async with _sender(target, ignore_eos, cache_salt, seed, timeout_s, stream_interval) as send:
+    async with _sender(target, ignore_eos, cache_salt, seed, timeout_s, stream_interval, sampling) as send:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
 
@@ -423,7 +453,7 @@ async def run_load(target, requests: list[BenchRequest], *, rate: float = math.i
 
 @contextlib.asynccontextmanager
 async def _sender(target: Target, ignore_eos: bool, cache_salt: str, seed: int, timeout_s: float,
-                  stream_interval: int = 0):
+                  stream_interval: int = 0, sampling: BenchSampling = GREEDY):
     """send(i, request, record): one streamed request over the target's API."""
     if stream_interval and target.backend != "grpc":
         raise ValueError(f"stream_interval is a field of kvpager's gRPC requests, not of the {target.backend} API")
@@ -444,8 +474,9 @@ async def _sender(target: Target, ignore_eos: bool, cache_salt: str, seed: int, 
                 msg = gateway_pb2.GenerateRequest(
                     prompt_token_ids=req.prompt_ids, request_id=f"bench-{seed}-{cache_salt}-{i}",
                     cache_salt=cache_salt, stream_interval=stream_interval,
-                    sampling_params=common_pb2.SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
-                                                              ignore_eos=ignore_eos))
+                    sampling_params=common_pb2.SamplingParams(
+                        max_tokens=req.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                        top_k=sampling.top_k, ignore_eos=ignore_eos))
                 out = await stream_generate(stub, msg, timeout_s=timeout_s, raise_errors=False)
                 rec.start_s, rec.first_s = out.started_s, out.first_s
                 c = out.completions.get(0)
@@ -472,7 +503,7 @@ async def _sender(target: Target, ignore_eos: bool, cache_salt: str, seed: int, 
         async def send(i: int, req: BenchRequest, rec: RequestRecord) -> None:
             text = target.tokenizer.decode(req.prompt_ids) if target.backend == "openai-chat" else None
             path, body = request_body(target.backend, model, req.prompt_ids, req.max_tokens, ignore_eos=ignore_eos,
-                                      cache_salt=cache_salt, prompt_text=text)
+                                      cache_salt=cache_salt, prompt_text=text, sampling=sampling.as_dict())
             await stream_one(client, path, body, rec)
 
         yield send

@@ -84,6 +84,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream-interval", type=int, default=None,
                    help="the kvpager requests' stream_interval (default: --max-new-tokens, each completion "
                         "returned once, as vLLM's offline LLM.generate returns it; 1 streams every token)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="both engines' requests sample at this temperature (default 0: greedy, with parity; "
+                   "sampled runs report none)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus filtering (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k filtering (0: off)")
     p.add_argument("--online", action="store_true",
                    help="vLLM's OpenAI server vs kvpager's HTTP API, the same streaming client (no parity)")
     p.add_argument("--single-rounds", type=int, default=None,
@@ -153,14 +158,16 @@ class VllmSession:
     per engine would measure the drift as much as the engines."""
 
     def __init__(self, python: Path, model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, sampling: bc.BenchSampling = bc.GREEDY) -> None:
         max_len = max(len(p) for p in prompts) + max_new_tokens + 1
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(prompts, f)
             self._prompts_path = f.name
         cmd = [str(python), str(RUNNER), "--model", model, "--dtype", dtype, "--prompts-json", self._prompts_path,
                "--max-tokens", str(max_new_tokens), "--interactive",
-               "--max-model-len", str(max(512, max_len)), "--max-num-seqs", str(max(32, len(prompts)))]
+               "--max-model-len", str(max(512, max_len)), "--max-num-seqs", str(max(32, len(prompts))),
+               "--temperature", repr(sampling.temperature), "--top-p", repr(sampling.top_p),
+               "--top-k", str(sampling.top_k)]
         bc.progress(NAME, f"vLLM: {' '.join(cmd[1:])}")
         self.timeout_s = timeout_s
         # Its own process group: vLLM's engine core and CPU worker are the
@@ -263,12 +270,15 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
 def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
             vllm_python: Path, vllm_timeout_s: float = 1800.0, parity_sample: int | None = None,
             max_batch_tokens: int = 0, max_running: int = 0, settle_s: float = 1.0,
-            stream_interval: int = 0, num_scheduler_steps: int = 0, block_size: int = 16) -> dict:
+            stream_interval: int = 0, num_scheduler_steps: int = 0, block_size: int = 16,
+            sampling: bc.BenchSampling = bc.GREEDY) -> dict:
     """Both engines loaded side by side, their timed rounds interleaved
     (vLLM, kvpager, vLLM, ...; before each round at least ``settle_s`` and
     until the machine is quiet, ``bc.settle``: vLLM's CPU worker spins about
     a second after its round). ``stream_interval``: the
-    kvpager requests' (0 = the gateway's default, every token)."""
+    kvpager requests' (0 = the gateway's default, every token). ``sampling``:
+    both engines' requests (sampled: no parity, the engines' random streams
+    differ)."""
     n = len(prompts)
     total_new = n * max_new_tokens
     need_blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
@@ -277,25 +287,27 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
                            num_scheduler_steps=num_scheduler_steps,
                            max_burst_ms=OFFLINE_MAX_BURST_MS if num_scheduler_steps > 1 else 0.0)
     kv_times, kv_outs, vllm_rounds = [], [], []
-    with VllmSession(vllm_python, model, dtype, prompts, max_new_tokens, vllm_timeout_s) as vllm:
+    with VllmSession(vllm_python, model, dtype, prompts, max_new_tokens, vllm_timeout_s, sampling) as vllm:
         bc.progress(NAME, f"vLLM ready (load {vllm.ready['load_s']:.0f}s); kvpager: starting the stack ({dtype})")
         with bc.embedded_stack(opts) as stack:
             gw = stack.addresses.gateway
-            kvpager_run(gw, prompts, max_new_tokens, "warmup", stream_interval)  # the whole workload once: every shape, the allocator
+            kvpager_run(gw, prompts, max_new_tokens, "warmup", stream_interval,  # the whole workload once: every shape
+                        sampling)
             for r in range(repeats):
                 waited = bc.settle(settle_s)
                 vllm_rounds.append({**vllm.round(), "settled_s": waited})
                 waited = bc.settle(settle_s)
                 bc.progress(NAME, f"round {r + 1}/{repeats}: vLLM {vllm_rounds[-1]['tok_s']:.1f} tok/s")
                 load = os.getloadavg()[0]
-                dt, kv_outs = kvpager_run(gw, prompts, max_new_tokens, f"round-{r}", stream_interval)
+                dt, kv_outs = kvpager_run(gw, prompts, max_new_tokens, f"round-{r}", stream_interval, sampling)
                 kv_times.append({"wall_s": round(dt, 3), "tok_s": round(total_new / dt, 1), "loadavg_1m": load,
                                  "settled_s": waited})
                 bc.progress(NAME, f"round {r + 1}/{repeats}: kvpager {kv_times[-1]['tok_s']:.1f} tok/s")
         final = vllm.finish()
-    k = n if parity_sample is None else min(parity_sample, n)
-    bc.progress(NAME, f"transformers {dtype} generate on {k} prompts (the reference)")
-    ref = hf_reference(model, dtype, prompts[:k], max_new_tokens)
+    k = 0 if not sampling.greedy else n if parity_sample is None else min(parity_sample, n)
+    if k:
+        bc.progress(NAME, f"transformers {dtype} generate on {k} prompts (the reference)")
+    ref = hf_reference(model, dtype, prompts[:k], max_new_tokens) if k else []
     kv_tok_s = statistics.median(t["tok_s"] for t in kv_times)
     vllm_tok_s = statistics.median(r["tok_s"] for r in vllm_rounds)
     paired = [round(k_["tok_s"] / v["tok_s"], 3) for k_, v in zip(kv_times, vllm_rounds)]
@@ -312,9 +324,11 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
                    "kvpager": kv_times,
                    "vllm": [{"wall_s": round(v["wall_s"], 3), "tok_s": round(v["tok_s"], 1), **v["load"],
                              "settled_s": v["settled_s"]} for v in vllm_rounds]},
-        "parity": {"reference": f"transformers generate ({dtype}, greedy, eager)",
-                   "kvpager": agreement(kv_outs[:k], ref), "vllm": agreement(final["outputs"][:k], ref),
-                   "kvpager_vs_vllm": agreement(kv_outs, final["outputs"])},
+        "parity": ({"reference": f"transformers generate ({dtype}, greedy, eager)",
+                    "kvpager": agreement(kv_outs[:k], ref), "vllm": agreement(final["outputs"][:k], ref),
+                    "kvpager_vs_vllm": agreement(kv_outs, final["outputs"])} if sampling.greedy else
+                   {"reference": None, "why": "sampled tokens: each engine draws from its own random stream"}),
+        "sampling": {**sampling.as_dict(), "ignore_eos": True},
         "settings": {"kvpager": {"stack": "kvpager up defaults", "dtype": dtype, "num_blocks": opts.num_blocks,
                                  "block_size": block_size,
                                  "max_batch_tokens": max_batch_tokens or "default",
@@ -333,6 +347,12 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--single-rounds must be >= 0, got {args.single_rounds}")
     if args.block_size < 1:
         raise SystemExit(f"--block-size must be >= 1, got {args.block_size}")
+    try:
+        sampling = bc.BenchSampling(args.temperature, args.top_p, args.top_k)
+    except ValueError as exc:
+        raise SystemExit(f"--temperature / --top-p / --top-k: {exc}") from None
+    if args.online and not sampling.greedy:
+        raise SystemExit("--temperature / --top-p / --top-k are for the offline comparison (--online is greedy)")
     model = str(bc.model_dir(args.model))
     python = setup_vllm(Path(args.setup_vllm)) if args.setup_vllm else Path(args.vllm_python)
     prompts = make_prompts(model, args.num_prompts, args.min_input_len, args.max_input_len, args.seed)
@@ -357,7 +377,7 @@ def _main(args: argparse.Namespace) -> int:
                          num_scheduler_steps=(OFFLINE_SCHEDULER_STEPS if args.num_scheduler_steps is None
                                               else args.num_scheduler_steps),
                          stream_interval=args.max_new_tokens if args.stream_interval is None else args.stream_interval,
-                         block_size=args.block_size)
+                         block_size=args.block_size, sampling=sampling)
     from kvpager_tools.bench.serve import machine
 
     result["machine"] = machine()

@@ -112,6 +112,9 @@ def parse_args(argv=None):
     p.add_argument("--serve-port", type=int, default=None,
                    help="run vLLM's OpenAI-compatible server on 127.0.0.1:PORT instead of an offline run")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (ignore_eos)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--rounds", type=int, default=3, help="measured rounds (after warm-up)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up generate calls (not measured)")
     p.add_argument("--warmup-max-tokens", type=int, default=None, help="new tokens in warm-up (default: --max-tokens)")
@@ -241,8 +244,11 @@ def main(argv=None) -> int:
 
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+
         def sp(n):
-            return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+            # No per-request seed: vLLM's seeded requests draw from a generator each (its slower path).
+            return SamplingParams(**sampling, max_tokens=n, ignore_eos=True, detokenize=False)
 
         n_total = len(prompts) * args.max_tokens
         warm_tokens = args.warmup_max_tokens or args.max_tokens
@@ -321,7 +327,7 @@ def main(argv=None) -> int:
                     "warmup_s": warm_s,
                     "load_s": load_s,
                     "llm_kwargs": llm_kwargs,
-                    "sampling": {"temperature": 0, "ignore_eos": True},
+                    "sampling": {**sampling, "ignore_eos": True},
                     "env": {k: os.environ.get(k) for k in list(ENV_DEFAULTS) + ["LD_PRELOAD"]},
                     "vllm_version": vllm.__version__,
                     "torch_version": torch.__version__,

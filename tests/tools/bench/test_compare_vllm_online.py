@@ -6,6 +6,7 @@ the JSON keys are the real ones. Never timed."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import pytest
 
@@ -67,6 +68,11 @@ def test_single_stream_latency_of_each_server(stack):
     (["--single-rounds", "3"], "--single-rounds is for the online comparison"),
     (["--online", "--single-rounds", "-1"], "--single-rounds must be >= 0"),
     (["--block-size", "0"], "--block-size must be >= 1"),
+    (["--temperature", "-1"], "temperature must be finite and >= 0"),
+    (["--temperature", "0.8", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
+    (["--temperature", "0.8", "--top-k", "-3"], "top_k must be >= 0"),
+    (["--top-p", "0.9"], "give a temperature > 0"),
+    (["--online", "--temperature", "0.8"], "for the offline comparison"),
 ])
 def test_compare_vllm_refuses_flags_it_cannot_honour(argv, message):
     """Checked before anything is set up (no vLLM needed)."""
@@ -77,3 +83,28 @@ def test_compare_vllm_refuses_flags_it_cannot_honour(argv, message):
     args = parser.parse_args(["compare-vllm", "--vllm-python", "/nonexistent/python", *argv])
     with pytest.raises(SystemExit, match=message):
         args.func(args)
+
+
+def test_sampled_runs_reach_the_engine(stack):
+    """compare-vllm --temperature / --top-p / --top-k: the kvpager requests
+    carry them over gRPC (the offline comparison's path); the HTTP bodies
+    too, and the API takes them. Top-k 1
+    samples the greedy token whatever the temperature; a temperature alone
+    on the demo model's flat logits leaves greedy's path."""
+    from kvpager_tools.bench.compare_hf import kvpager_run
+    from kvpager_tools.bench.openai_load import request_body
+
+    prompts = [list(range(5 + i, 25 + i)) for i in range(4)]
+    gw = stack.addresses.gateway
+    _, greedy = kvpager_run(gw, prompts, 12, "sampling-greedy")
+    _, top1 = kvpager_run(gw, prompts, 12, "sampling-top1", sampling=bc.BenchSampling(1.5, 1.0, 1))
+    _, hot = kvpager_run(gw, prompts, 12, "sampling-hot", sampling=bc.BenchSampling(1.5, 0.95, 0))
+    assert top1 == greedy
+    assert hot != greedy and all(len(t) == 12 for t in hot)
+    path, body = request_body("openai", "m", [1, 2], 4, ignore_eos=True,
+                              sampling=bc.BenchSampling(0.7, 0.9, 40).as_dict())
+    assert path == "/v1/completions" and (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 40)
+    http = asyncio.run(bc.run_load(bc.Target(backend="openai", base_url=stack.addresses.http),
+                                   [bc.BenchRequest(p, 12) for p in prompts], cache_salt="sampling-http-top1",
+                                   sampling=bc.BenchSampling(1.5, 1.0, 1)))
+    assert all(r.ok and r.num_out == 12 for r in http.records)  # the HTTP client counts tokens, keeps no ids
