@@ -86,7 +86,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "returned once, as vLLM's offline LLM.generate returns it; 1 streams every token)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="both engines' requests sample at this temperature (default 0: greedy, with parity; "
-                   "sampled runs report none)")
+                   "sampled offline runs report none), offline and --online")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus filtering (1: off)")
     p.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k filtering (0: off)")
     p.add_argument("--online", action="store_true",
@@ -351,8 +351,6 @@ def _main(args: argparse.Namespace) -> int:
         sampling = bc.BenchSampling(args.temperature, args.top_p, args.top_k)
     except ValueError as exc:
         raise SystemExit(f"--temperature / --top-p / --top-k: {exc}") from None
-    if args.online and not sampling.greedy:
-        raise SystemExit("--temperature / --top-p / --top-k are for the offline comparison (--online is greedy)")
     model = str(bc.model_dir(args.model))
     python = setup_vllm(Path(args.setup_vllm)) if args.setup_vllm else Path(args.vllm_python)
     prompts = make_prompts(model, args.num_prompts, args.min_input_len, args.max_input_len, args.seed)
@@ -369,7 +367,8 @@ def _main(args: argparse.Namespace) -> int:
                                 vllm_python=python, vllm_timeout_s=args.vllm_timeout_s,
                                 max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                                 num_scheduler_steps=args.num_scheduler_steps or 0, block_size=args.block_size,
-                                single_rounds=SINGLE_ROUNDS if args.single_rounds is None else args.single_rounds)
+                                single_rounds=SINGLE_ROUNDS if args.single_rounds is None else args.single_rounds,
+                                sampling=sampling)
     else:
         result = compare(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
                          vllm_python=python, vllm_timeout_s=args.vllm_timeout_s, parity_sample=parity,

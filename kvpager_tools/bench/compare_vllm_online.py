@@ -69,12 +69,12 @@ def vllm_server(python: Path, model: str, dtype: str, *, max_model_len: int, max
         end_process_group(proc, grace_s=30)  # its API process's engine core and worker too
 
 
-def _round(base_url: str, requests: list[bc.BenchRequest], salt: str) -> dict:
+def _round(base_url: str, requests: list[bc.BenchRequest], salt: str, sampling: bc.BenchSampling) -> dict:
     import asyncio
 
     target = bc.Target(backend="openai", base_url=base_url)
     load = os.getloadavg()[0]
-    res = asyncio.run(bc.run_load(target, requests, ignore_eos=True, cache_salt=salt))
+    res = asyncio.run(bc.run_load(target, requests, ignore_eos=True, cache_salt=salt, sampling=sampling))
     m = bc.load_metrics(res)
     if m["failed"]:
         raise RuntimeError(f"{salt}: {m['failed']} requests failed: {m.get('errors')}")
@@ -85,17 +85,19 @@ def _round(base_url: str, requests: list[bc.BenchRequest], salt: str) -> dict:
 
 
 def interleaved_rounds(servers: dict[str, str], requests: list[bc.BenchRequest], repeats: int, *,
-                       settle_s: float = 1.0, salt: str = "") -> dict[str, list[dict]]:
+                       settle_s: float = 1.0, salt: str = "",
+                       sampling: bc.BenchSampling = bc.GREEDY) -> dict[str, list[dict]]:
     """``servers``: label -> base URL, in the order each round visits them.
     Every server gets the whole workload once as a warm-up, then ``repeats``
     rounds each, alternating, every round after ``bc.settle(settle_s)``
     (a server's OpenMP threads spin on after its round). A fresh cache salt
     per round (prefixed ``salt``: another workload on the same servers
-    passes its own) keeps earlier rounds' prefixes out. Returns label -> rounds
-    (``at_s``: when a round began, seconds after the first timed one)."""
+    passes its own) keeps earlier rounds' prefixes out. ``sampling``: every
+    request's. Returns label -> rounds (``at_s``: when a round began, seconds
+    after the first timed one)."""
     for label, url in servers.items():
         bc.progress(NAME, f"{label}: warm-up")
-        _round(url, requests, f"{salt}{label}-warmup")
+        _round(url, requests, f"{salt}{label}-warmup", sampling)
     rounds: dict[str, list[dict]] = {label: [] for label in servers}
     t0 = None
     for r in range(repeats):
@@ -103,7 +105,7 @@ def interleaved_rounds(servers: dict[str, str], requests: list[bc.BenchRequest],
             waited = bc.settle(settle_s)
             now = time.perf_counter()
             t0 = now if t0 is None else t0
-            rounds[label].append({**_round(url, requests, f"{salt}{label}-{r}"), "settled_s": waited,
+            rounds[label].append({**_round(url, requests, f"{salt}{label}-{r}", sampling), "settled_s": waited,
                                   "at_s": round(now - t0, 3)})
             bc.progress(NAME, f"round {r + 1}/{repeats}: {label} {rounds[label][-1]['tok_s']:.1f} tok/s")
     return rounds
@@ -115,7 +117,7 @@ def _summary(rounds: list[dict]) -> dict:
 
 
 def single_stream(servers: dict[str, str], prompts: list[list[int]], max_new_tokens: int, rounds: int, *,
-                  settle_s: float = 1.0) -> dict:
+                  settle_s: float = 1.0, sampling: bc.BenchSampling = bc.GREEDY) -> dict:
     """One request at a time on each server (the median-length prompt),
     ``rounds`` interleaved rounds: per label its medians over rounds, and
     kvpager's time to first token over vLLM's when both labels are there."""
@@ -124,7 +126,7 @@ def single_stream(servers: dict[str, str], prompts: list[list[int]], max_new_tok
     # Its own salts: the prompt is one of the throughput rounds', whose cached
     # blocks would otherwise make its prefill a prefix hit (vLLM runs without a cache).
     got = interleaved_rounds(servers, [bc.BenchRequest(prompt_ids=prompt, max_tokens=max_new_tokens)], rounds,
-                             settle_s=settle_s, salt="single-")
+                             settle_s=settle_s, salt="single-", sampling=sampling)
     out: dict = {"prompt_len": len(prompt), "rounds": rounds}
     for label, rs in got.items():
         out[label] = {**{k: v for k, v in _summary(rs).items() if k != "tok_s"},
@@ -137,7 +139,8 @@ def single_stream(servers: dict[str, str], prompts: list[list[int]], max_new_tok
 def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int, *, repeats: int,
                    vllm_python: Path, vllm_timeout_s: float = 1800.0, max_batch_tokens: int = 0,
                    max_running: int = 0, num_scheduler_steps: int = 0, settle_s: float = 1.0,
-                   single_rounds: int = SINGLE_ROUNDS, block_size: int = 16) -> dict:
+                   single_rounds: int = SINGLE_ROUNDS, block_size: int = 16,
+                   sampling: bc.BenchSampling = bc.GREEDY) -> dict:
     requests = [bc.BenchRequest(prompt_ids=p, max_tokens=max_new_tokens) for p in prompts]
     total = len(prompts) * max_new_tokens
     max_len = max(512, max(len(p) for p in prompts) + max_new_tokens + 1)
@@ -150,9 +153,9 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
         bc.progress(NAME, f"kvpager: starting the stack with its HTTP API ({dtype})")
         with bc.embedded_stack(opts) as stack:
             servers = {"vllm": base, "kvpager": stack.addresses.http}
-            rounds = interleaved_rounds(servers, requests, repeats, settle_s=settle_s)
-            single = (single_stream(servers, prompts, max_new_tokens, single_rounds, settle_s=settle_s)
-                      if single_rounds else None)
+            rounds = interleaved_rounds(servers, requests, repeats, settle_s=settle_s, sampling=sampling)
+            single = (single_stream(servers, prompts, max_new_tokens, single_rounds, settle_s=settle_s,
+                                    sampling=sampling) if single_rounds else None)
     vllm_rounds, kv_rounds = rounds["vllm"], rounds["kvpager"]
     for label, rs in rounds.items():
         short = [r["output_tokens"] for r in rs if r["output_tokens"] != total]
@@ -175,8 +178,9 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
                    "kvpager": kv_rounds, "vllm": vllm_rounds},
         # One request at a time: medians over rounds (None with --single-rounds 0).
         "single_stream": single,
+        "sampling": {**sampling.as_dict(), "ignore_eos": True},
         "settings": {"client": "kvpager bench serve's load generator: streamed /v1/completions, token-id prompts, "
-                               "temperature 0, ignore_eos, every request at once",
+                               "ignore_eos, every request at once",
                      "kvpager": {"stack": "kvpager up defaults, HTTP API", "num_blocks": opts.num_blocks,
                                  "block_size": block_size,
                                  "max_batch_tokens": max_batch_tokens or "default",

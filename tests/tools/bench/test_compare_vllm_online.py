@@ -72,7 +72,6 @@ def test_single_stream_latency_of_each_server(stack):
     (["--temperature", "0.8", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
     (["--temperature", "0.8", "--top-k", "-3"], "top_k must be >= 0"),
     (["--top-p", "0.9"], "give a temperature > 0"),
-    (["--online", "--temperature", "0.8"], "for the offline comparison"),
 ])
 def test_compare_vllm_refuses_flags_it_cannot_honour(argv, message):
     """Checked before anything is set up (no vLLM needed)."""
@@ -108,3 +107,14 @@ def test_sampled_runs_reach_the_engine(stack):
                                    [bc.BenchRequest(p, 12) for p in prompts], cache_salt="sampling-http-top1",
                                    sampling=bc.BenchSampling(1.5, 1.0, 1)))
     assert all(r.ok and r.num_out == 12 for r in http.records)  # the HTTP client counts tokens, keeps no ids
+
+
+def test_online_rounds_sample_when_asked(stack):
+    """compare-vllm --online --temperature ...: each round's requests sample (the API takes the fields)."""
+    from kvpager_tools.bench.compare_vllm_online import interleaved_rounds
+
+    requests = [bc.BenchRequest(prompt_ids=[9 + i, 6, 7, 8, 9], max_tokens=4) for i in range(3)]
+    url = stack.addresses.http
+    rounds = interleaved_rounds({"a": url}, requests, 1, settle_s=0.05, salt="sampled-",
+                                sampling=bc.BenchSampling(0.9, 0.9, 5))
+    assert [r["output_tokens"] for r in rounds["a"]] == [12]
