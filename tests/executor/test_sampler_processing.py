@@ -8,6 +8,7 @@ batch, and seeds reproducible whatever else shares the batch."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -199,3 +200,32 @@ def test_sampled_rows_return_top_logprobs_of_the_raw_logits():
     want_ids = torch.cat([raw[0].topk(5).indices, raw[1].topk(3).indices])
     assert torch.equal(out.top_token_ids, want_ids)
     assert torch.equal(out.top_logprobs, torch.cat([raw[0].topk(5).values, raw[1].topk(3).values]))
+
+
+def test_penalties_change_only_the_entries_a_history_names():
+    """The penalties touch (row, token) entries named by a row's history and
+    nothing else, also on strided logits and with repeated tokens."""
+    from executor_service.sampler import apply_penalties
+
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(3, 80, generator=g)
+    logits = wide[:, 10:60]  # strided rows
+    inp = SamplingInputs(
+        num_samples=torch.ones(3, dtype=torch.int64), temperature=torch.zeros(3), top_p=torch.ones(3),
+        top_k=torch.zeros(3, dtype=torch.int64), positions=torch.zeros(3, dtype=torch.int64),
+        seeds=torch.zeros(3, dtype=torch.int64), num_top_logprobs=torch.zeros(3, dtype=torch.int64),
+        penalty_rows=torch.tensor([0, 2]), presence_penalty=torch.tensor([0.5, -1.0]),
+        frequency_penalty=torch.tensor([0.25, 2.0]), repetition_penalty=torch.tensor([1.3, 0.8]),
+        history_index=torch.tensor([0, 0, 0, 1, 1]), history_token_ids=torch.tensor([4, 4, 9, 4, 49]),
+        history_is_output=torch.tensor([True, True, False, True, False]))
+    out = apply_penalties(logits, inp)
+    changed = (out != logits).nonzero().tolist()
+    assert sorted(map(tuple, changed)) == [(0, 4), (0, 9), (2, 4), (2, 49)]
+
+    def want(x, rep, freq, pres, count):
+        x = x * rep if x < 0 else x / rep
+        return x - freq * count - pres * (count > 0)
+
+    for (r, t), (rep, freq, pres, count) in {(0, 4): (1.3, 0.25, 0.5, 2), (0, 9): (1.3, 0.25, 0.5, 0),
+                                              (2, 4): (0.8, 2.0, -1.0, 1), (2, 49): (0.8, 2.0, -1.0, 0)}.items():
+        assert out[r, t].item() == pytest.approx(want(logits[r, t].item(), rep, freq, pres, count), rel=1e-6)
