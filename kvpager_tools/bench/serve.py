@@ -67,6 +67,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--ignore-eos", action="store_true", help="always generate the full output length")
     load.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS",
                       help="SLOs for goodput, e.g. ttft:500 tpot:50 e2e:5000")
+    load.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    load.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus filtering (1: off)")
+    load.add_argument("--top-k", type=int, default=0, help="with --temperature: top-k filtering (0: off)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object (no table)")
     out.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts here (needs matplotlib)")
@@ -104,7 +107,8 @@ async def _run_one(target, memory: str | None, requests, rate: float, args, salt
     cpu0 = time.process_time()
     gateway_cpu0 = process_cpu_s(gateway_pid)
     res = await bc.run_load(target, requests, rate=rate, max_concurrency=args.max_concurrency,
-                            ignore_eos=args.ignore_eos, seed=args.seed, cache_salt=salt, on_done=progress)
+                            ignore_eos=args.ignore_eos, seed=args.seed, cache_salt=salt, on_done=progress,
+                            sampling=args.sampling)
     client_cpu_s = time.process_time() - cpu0
     gateway_cpu1 = process_cpu_s(gateway_pid)
     if watch is not None:
@@ -341,10 +345,14 @@ def _targets(args, gateway: str | None, base_url: str | None) -> list:
 def serve(args: argparse.Namespace, console=None) -> dict:
     rates = parse_rates(args.request_rate)
     for name, default in (("backend", "grpc"), ("base_url", None), ("model_name", None), ("api_key", None),
-                          ("repeat", 1)):
+                          ("repeat", 1), ("temperature", 0.0), ("top_p", 1.0), ("top_k", 0)):
         if not hasattr(args, name):  # callers that build the namespace themselves
             setattr(args, name, default)
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench", "command", "api_key")}
+    try:
+        args.sampling = bc.BenchSampling(args.temperature, args.top_p, args.top_k)
+    except ValueError as exc:
+        raise SystemExit(f"--temperature / --top-p / --top-k: {exc}") from None
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "bench", "command", "api_key", "sampling")}
 
     def body(gateway: str | None, memory: str | None, base_url: str | None, gateway_pid: int | None = None) -> dict:
         targets = _targets(args, gateway, base_url)

@@ -94,6 +94,28 @@ def test_serve_over_http_and_grpc_in_one_run(stack):
     assert result["machine"]["loadavg"]
 
 
+def test_serve_samples_when_asked(stack):
+    """--temperature / --top-p / --top-k reach every backend's requests; bad values are refused."""
+    from kvpager_tools.bench.serve import serve
+
+    a = stack.addresses
+
+    def args(**kw):
+        return argparse.Namespace(address=a.gateway, memory_address=None, model="demo", executors=1,
+                                  num_blocks=None, max_batch_tokens=None, max_running=None, dataset="random",
+                                  num_prompts=3, input_len=12, output_len=5, range_ratio=0.0, num_prefixes=2,
+                                  prefix_len=32, suffix_len=4, seed=0, request_rate="inf", max_concurrency=None,
+                                  ignore_eos=True, goodput=None, json=True, plot=None, backend="grpc,openai",
+                                  base_url=a.http + "/v1", model_name=None, api_key=None, repeat=1, **kw)
+
+    result = serve(args(temperature=0.8, top_p=0.9, top_k=20))
+    assert (result["config"]["temperature"], result["config"]["top_p"], result["config"]["top_k"]) == (0.8, 0.9, 20)
+    for r in result["runs"]:
+        assert r["completed"] == 3 and r["failed"] == 0 and r["output_tokens"] == 15, r.get("errors")
+    with pytest.raises(SystemExit, match="top_p must be in"):
+        serve(args(temperature=0.8, top_p=1.5, top_k=0))
+
+
 def test_compare_hf(stack, model):
     from kvpager_tools.bench.compare_hf import compare, make_prompts
 
