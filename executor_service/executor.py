@@ -25,10 +25,10 @@ from executor_service.cuda_graphs import capture_decode_graphs
 from executor_service.history import TokenHistories
 from executor_service.placeholders import LastSamples
 from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidates
+from executor_service.greedy import greedy_only, greedy_tokens
 from executor_service.kv_layout import make_layout, pool_tokens
 from executor_service.kv_pool import GIB, KvPool, block_bytes, num_blocks_for_bytes
 from executor_service.model_runner import ModelRunner, resolve_device
-from executor_service.greedy import greedy_only, greedy_tokens
 from executor_service.sampler import sample
 from executor_service.step import (
     PoolLimits,

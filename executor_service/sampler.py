@@ -48,6 +48,7 @@ from kvpager_kernels.greedy import argmax_rows
 from kvpager_kernels.gumbel import gumbel_argmax, row_keys, token_uniforms
 from kvpager_kernels.sort_rows import sort_rows
 
+
 def hash_uniform(
     seeds: torch.Tensor, positions: torch.Tensor, sample_index: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
@@ -137,8 +138,9 @@ def apply_penalties(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tenso
 
     Only the (row, token) entries a history names change (an entry no token
     of it names keeps its value: divided by nothing, minus zero), so the
-    work is over the histories' tokens, not [P, V] (32 rows x 32,000: 4.4 ->
-    ~0.3 ms). Each entry's arithmetic is transformers' processors' (tests)."""
+    work is over the histories' tokens, not [P, V] (``sample`` for 32
+    greedy rows x 32,000 with 300-token histories: 4.4 -> 0.7 ms). Each
+    entry's arithmetic is transformers' processors' (tests)."""
     vocab = logits.shape[-1]
     index, tokens, is_out = inputs.history_index, inputs.history_token_ids, inputs.history_is_output  # [H]
     flat_at = inputs.penalty_rows[index] * vocab + tokens  # [H]: each history token's entry of logits
