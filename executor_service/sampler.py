@@ -97,6 +97,11 @@ class SamplerOutput:
     top_logprobs: torch.Tensor         # [sum(top_counts)] float32
 
 
+def filters(top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> bool:
+    """Whether some row's top-k or top-p drops tokens (top_k, top_p: [N])."""
+    return bool(((top_k > 0) & (top_k < vocab)).any()) or bool((top_p < 1.0).any())
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k, then outside its top-p.
 
@@ -105,11 +110,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     the smallest prefix of tokens, by descending probability, whose mass
     reaches top_p (the most likely token is always kept).
     """
+    if not filters(top_k, top_p, logits.shape[-1]):
+        return logits
+    sorted_logits, sorted_idx = top_k_top_p_sorted(logits, top_k, top_p)
+    return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+
+def top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_top_k_top_p`` left in each row's descending order: (values
+    [N, V] with the dropped tokens -inf, all after the kept ones; token ids
+    [N, V])."""
     vocab = logits.shape[-1]
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1.0
-    if not bool(use_k.any()) and not bool(use_p.any()):
-        return logits
     sorted_logits, sorted_idx = sort_rows(logits)  # [N, V] descending, ties in token order
     if bool(use_k.any()):
         k = torch.where(use_k, top_k, torch.full_like(top_k, vocab)).clamp(1, vocab)
@@ -122,7 +136,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         drop = (mass_before >= top_p[:, None]) & use_p[:, None]
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+    return sorted_logits, sorted_idx
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
@@ -179,14 +193,19 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+def scale(adjusted: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """adjusted [N, V] / temperature [N] (> 0), then min_p filtering."""
+    scaled = adjusted / temperature[:, None]
+    if min_p is not None and bool((min_p > 0).any()):
+        scaled = apply_min_p(scaled, min_p)
+    return scaled
+
+
 def warp(adjusted: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None, top_k: torch.Tensor,
          top_p: torch.Tensor) -> torch.Tensor:
     """The logits a sampled token is drawn from: adjusted [N, V] / temperature [N] (> 0),
     then min_p, top-k and top-p filtering (each [N])."""
-    scaled = adjusted / temperature[:, None]
-    if min_p is not None and bool((min_p > 0).any()):
-        scaled = apply_min_p(scaled, min_p)
-    return apply_top_k_top_p(scaled, top_k, top_p)
+    return apply_top_k_top_p(scale(adjusted, temperature, min_p), top_k, top_p)
 
 
 def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
@@ -211,13 +230,16 @@ def sample(logits: torch.Tensor, inputs: SamplingInputs) -> SamplerOutput:
         rand = ~greedy
         if bool(rand.any()):
             r = sample_row[rand]
-            scaled = warp(adjusted[r].float(), temperature[rand],
-                          inputs.min_p[r] if inputs.min_p is not None else None, inputs.top_k[r],
-                          inputs.top_p[r])  # [Nr, V]
-            log_p = scaled.log_softmax(dim=-1)
+            scaled = scale(adjusted[r].float(), temperature[rand],
+                           inputs.min_p[r] if inputs.min_p is not None else None)  # [Nr, V]
             # keyed by (seed, position) only: completion i of n equals seed + i alone
             keys = row_keys(inputs.seeds[rand], inputs.positions[r], torch.zeros_like(r))  # [Nr]
-            token_ids[rand] = gumbel_argmax(log_p, keys)
+            top_k, top_p = inputs.top_k[r], inputs.top_p[r]
+            if filters(top_k, top_p, vocab):  # drawn in each row's sorted order, from its kept tokens only
+                kept, order = top_k_top_p_sorted(scaled, top_k, top_p)
+                token_ids[rand] = gumbel_argmax(kept.log_softmax(dim=-1), keys, order)
+            else:
+                token_ids[rand] = gumbel_argmax(scaled.log_softmax(dim=-1), keys)
 
     need_raw = inputs.return_logprobs or bool((inputs.num_top_logprobs > 0).any())
     raw = logits.float().log_softmax(dim=-1) if need_raw else None

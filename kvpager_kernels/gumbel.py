@@ -50,19 +50,28 @@ def token_uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (_shr(bits, 11).to(torch.float64) + 0.5) * (2.0**-53)
 
 
-def reference_gumbel_argmax(log_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """log_p [N, V], keys [N] -> [N] int64: argmax of log_p - log(-log(u)) in float64."""
+def reference_gumbel_argmax(log_p: torch.Tensor, keys: torch.Tensor,
+                            token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """log_p [N, V], keys [N] -> [N] int64: the token of the first entry
+    maximising log_p - log(-log(u)) in float64. Entry t is token t, or
+    ``token_ids[:, t]`` ([N, V] int64: a row sorted by top-k / top-p)."""
     u = token_uniforms(keys, log_p.shape[-1])
-    return (log_p.double() - torch.log(-torch.log(u))).argmax(dim=-1)
+    if token_ids is not None:
+        u = u.gather(1, token_ids)
+    at = (log_p.double() - torch.log(-torch.log(u))).argmax(dim=-1)
+    return at if token_ids is None else token_ids.gather(1, at[:, None])[:, 0]
 
 
-def gumbel_argmax(log_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax(log_p: torch.Tensor, keys: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """``reference_gumbel_argmax``'s draw, on the C++ kernel where it runs (CPU
-    fp32 log_p with contiguous rows). The kernel's logarithm is fdlibm's, not
-    torch's: the two may differ in the last bit, which changes a draw only
-    where two tokens' scores tie to ~1e-16."""
+    fp32 log_p with contiguous rows). With ``token_ids`` the rows must come in
+    descending order, dropped tokens (-inf) last: the kernel stops at the
+    first of them. The kernel's logarithm is fdlibm's, not torch's: the two
+    may differ in the last bit, which changes a draw only where two tokens'
+    scores tie to ~1e-16."""
     if (log_p.device.type == "cpu" and log_p.dim() == 2 and log_p.dtype == torch.float32
             and log_p.size(1) > 0 and log_p.stride(1) == 1 and keys.dtype == torch.int64
+            and (token_ids is None or (token_ids.dtype == torch.int64 and token_ids.stride(-1) == 1))
             and cpu_build.available()):
-        return torch.ops.kvpager_cpu.gumbel_argmax(log_p, keys)
-    return reference_gumbel_argmax(log_p, keys)
+        return torch.ops.kvpager_cpu.gumbel_argmax(log_p, keys, token_ids)
+    return reference_gumbel_argmax(log_p, keys, token_ids)

@@ -7,7 +7,10 @@
 // torch ops over [rows, V] int64 and float64 tensors, a full pass each (~20
 // of them: 4-5 ms for 32 x 8,192 and ~8 ms for 32 x 32,000 on the Zen 5
 // EPYC). Here the hash, both logarithms and the running maximum stay in
-// registers.
+// registers. A row filtered by top-k / top-p comes sorted in descending
+// order with each entry's token id (its dropped tokens -inf at the end):
+// the scan stops at the first dropped token, so a top-k 50 row draws from
+// 50 entries, not the vocabulary.
 //
 // The logarithm is fdlibm's (__ieee754_log: < 1 ulp), written once for
 // scalars and once for eight lanes with the same IEEE operations in the same
@@ -117,18 +120,27 @@ inline int64_t first_nan(const float* x, int64_t n) {
   return -1;
 }
 
-// One row: the index of its first highest score.
-int64_t row_draw(const float* lp, int64_t n, uint64_t key) {
-  double top = -std::numeric_limits<double>::infinity();
+// One row: the position of its first highest score. Entry t is token t, or
+// ids[t] where the row comes sorted (descending, its dropped tokens -inf at
+// the end: the scan stops at the first of them).
+int64_t row_draw(const float* lp, int64_t n, uint64_t key, const int64_t* ids) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  if (ids != nullptr) {
+    int64_t kept = 0;  // the sorted row's finite (or NaN) prefix
+    while (kept < n && lp[kept] != -std::numeric_limits<float>::infinity()) ++kept;
+    n = std::max<int64_t>(kept, 1);
+  }
+  double top = kNegInf;
   int64_t best = 0, t = 0;
 #if defined(KVPAGER_GUMBEL_AVX512)
   if (n >= 8) {
-    __m512d m = _mm512_set1_pd(-std::numeric_limits<double>::infinity());
+    __m512d m = _mm512_set1_pd(kNegInf);
     __m512i at = _mm512_setzero_si512();
-    __m512i tok = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    __m512i pos = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i keys = _mm512_set1_epi64(static_cast<int64_t>(key)), eight = _mm512_set1_epi64(8);
     __mmask8 nan = 0;
-    for (; t + 8 <= n; t += 8, tok = _mm512_add_epi64(tok, eight)) {
+    for (; t + 8 <= n; t += 8, pos = _mm512_add_epi64(pos, eight)) {
+      const __m512i tok = ids ? _mm512_loadu_si512(ids + t) : pos;
       const __m512i bits = splitmix64x8(_mm512_xor_si512(keys, tok));
       const __m512d u = _mm512_mul_pd(_mm512_add_pd(_mm512_cvtepu64_pd(_mm512_srli_epi64(bits, 11)), _mm512_set1_pd(0.5)),
                                       _mm512_set1_pd(0x1p-53));
@@ -139,44 +151,58 @@ int64_t row_draw(const float* lp, int64_t n, uint64_t key) {
       nan |= _mm512_cmp_pd_mask(lpd, lpd, _CMP_UNORD_Q);
       const __mmask8 gt = _mm512_cmp_pd_mask(score, m, _CMP_GT_OQ);  // strictly: each lane keeps its first
       m = _mm512_mask_mov_pd(m, gt, score);
-      at = _mm512_mask_mov_epi64(at, gt, tok);
+      at = _mm512_mask_mov_epi64(at, gt, pos);
     }
     if (nan) return first_nan(lp, n);
     top = _mm512_reduce_max_pd(m);
-    // The first index among the lanes holding the maximum (-inf everywhere: index 0, as argmax).
+    // The first position among the lanes holding the maximum (-inf everywhere: 0, as argmax).
     const __mmask8 eq = _mm512_cmp_pd_mask(m, _mm512_set1_pd(top), _CMP_EQ_OQ);
-    best = top == -std::numeric_limits<double>::infinity() ? 0 : _mm512_mask_reduce_min_epi64(eq, at);
+    best = top == kNegInf ? 0 : _mm512_mask_reduce_min_epi64(eq, at);
   }
 #endif
   for (; t < n; ++t) {
     if (lp[t] != lp[t]) return first_nan(lp, n);
-    const double score = static_cast<double>(lp[t]) + gumbel(key, static_cast<uint64_t>(t));
+    const uint64_t tok = static_cast<uint64_t>(ids ? ids[t] : t);
+    const double score = static_cast<double>(lp[t]) + gumbel(key, tok);
     if (score > top) top = score, best = t;
   }
   return best;
 }
 
-// log_p: [R, V] fp32 (rows contiguous); keys: [R] int64 -> [R] int64.
-at::Tensor gumbel_argmax(const at::Tensor& log_p, const at::Tensor& keys) {
+// log_p: [R, V] fp32 (rows contiguous); keys: [R] int64 -> [R] int64, each
+// row's token. token_ids: [R, V] int64 (rows contiguous) when the rows come
+// sorted in descending order, each entry's token (top-k / top-p's order: the
+// scan ends at the first dropped token); none: entry t is token t.
+at::Tensor gumbel_argmax(const at::Tensor& log_p, const at::Tensor& keys, const c10::optional<at::Tensor>& token_ids) {
   TORCH_CHECK(log_p.dim() == 2 && log_p.size(1) > 0 && log_p.stride(1) == 1 && log_p.scalar_type() == at::kFloat,
               "gumbel_argmax: log_p must be fp32 [R, V] with V > 0 and contiguous rows");
   TORCH_CHECK(keys.dim() == 1 && keys.size(0) == log_p.size(0) && keys.scalar_type() == at::kLong,
               "gumbel_argmax: keys must be int64 [R], one per row of log_p");
+  const bool sorted = token_ids.has_value();
+  if (sorted)
+    TORCH_CHECK(token_ids->sizes() == log_p.sizes() && token_ids->scalar_type() == at::kLong && token_ids->stride(1) == 1,
+                "gumbel_argmax: token_ids must be int64 [R, V] like log_p, rows contiguous");
   const int64_t rows = log_p.size(0), V = log_p.size(1), stride = log_p.stride(0);
+  const int64_t id_stride = sorted ? token_ids->stride(0) : 0;
   const auto k = keys.contiguous();
   auto out = at::empty({rows}, keys.options());
   const float* lp = log_p.data_ptr<float>();
   const int64_t* kp = k.data_ptr<int64_t>();
+  const int64_t* ip = sorted ? token_ids->data_ptr<int64_t>() : nullptr;
   int64_t* o = out.data_ptr<int64_t>();
   // A row of 8,192 tokens is ~0.1 ms of work: rows split across threads one by one.
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) o[r] = row_draw(lp + r * stride, V, static_cast<uint64_t>(kp[r]));
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t* ids = sorted ? ip + r * id_stride : nullptr;
+      const int64_t at = row_draw(lp + r * stride, V, static_cast<uint64_t>(kp[r]), ids);
+      o[r] = ids ? ids[at] : at;
+    }
   });
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) { m.def("gumbel_argmax(Tensor log_p, Tensor keys) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) { m.def("gumbel_argmax(Tensor log_p, Tensor keys, Tensor? token_ids=None) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(kvpager_cpu, CPU, m) { m.impl("gumbel_argmax", &gumbel_argmax); }

@@ -11,8 +11,8 @@ from kvpager_kernels.gumbel import gumbel_argmax, reference_gumbel_argmax, row_k
 pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="the C++ CPU kernels did not build here")
 
 
-def _kernel(log_p, keys):
-    return torch.ops.kvpager_cpu.gumbel_argmax(log_p, keys)
+def _kernel(log_p, keys, token_ids=None):
+    return torch.ops.kvpager_cpu.gumbel_argmax(log_p, keys, token_ids)
 
 
 def _keys(n: int, salt: int = 0) -> torch.Tensor:
@@ -95,6 +95,10 @@ def test_strided_rows_and_refusals():
         _kernel(x, keys.int())
     with pytest.raises(RuntimeError, match="gumbel_argmax"):
         _kernel(torch.zeros(4, 3).t(), _keys(3))
+    with pytest.raises(RuntimeError, match="token_ids"):
+        _kernel(x, keys, torch.zeros(6, 3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="token_ids"):
+        _kernel(x, keys, torch.zeros(6, 200, dtype=torch.int32))
 
 
 def test_wrapper_falls_back_to_the_reference():
@@ -108,3 +112,52 @@ def test_uniforms_stay_inside_the_open_interval():
     """The logarithms' inputs: u in [2^-54, 1 - 2^-54], never 0 or 1."""
     u = token_uniforms(_keys(8), 4096)
     assert bool(((u > 0) & (u < 1)).all())
+
+
+def _sorted_filtered(log_p: torch.Tensor, keep: int):
+    """Rows in descending order with their token ids, all but the first ``keep`` dropped (-inf), as top-k leaves them."""
+    values, ids = torch.sort(log_p, dim=-1, descending=True, stable=True)
+    values = values.clone()
+    values[:, keep:] = float("-inf")
+    return values.log_softmax(dim=-1), ids
+
+
+@pytest.mark.parametrize("vocab, keep", [(7, 3), (40, 1), (40, 9), (300, 50), (8192, 8192), (32000, 40)])
+def test_sorted_rows_draw_the_reference_token(vocab, keep):
+    """Top-k / top-p rows come sorted with their token ids: the token, not the position, comes back."""
+    values, ids = _sorted_filtered(_log_p(16, vocab, seed=vocab + keep), keep)
+    keys = _keys(16, salt=keep)
+    got = _kernel(values, keys, ids)
+    assert torch.equal(got, reference_gumbel_argmax(values, keys, ids))
+    kept = ids[:, :keep]
+    assert all(int(t) in kept[i].tolist() for i, t in enumerate(got))
+    assert torch.equal(gumbel_argmax(values, keys, ids), got)
+
+
+def test_a_sorted_row_draws_as_its_unsorted_twin():
+    """The same log-probabilities in token order or sorted (with ids): the same token (the noise is keyed by token id)."""
+    log_p = _log_p(32, 500, seed=8)
+    keys = _keys(32, salt=8)
+    values, ids = torch.sort(log_p, dim=-1, descending=True, stable=True)
+    assert torch.equal(_kernel(values.contiguous(), keys, ids), _kernel(log_p, keys))
+
+
+def test_sorted_scan_stops_at_the_first_dropped_token():
+    values, ids = _sorted_filtered(_log_p(1, 64, seed=9), 2)
+    values[0, 30] = 50.0  # past the first -inf: never looked at (the contract: dropped tokens last)
+    got = _kernel(values, _keys(1), ids)
+    assert int(got) in ids[0, :2].tolist()
+
+
+def test_sorted_draws_follow_the_renormalised_distribution():
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    n = 30000
+    log_p = torch.full((n, 16), float("-inf"))
+    log_p[:, :4] = p.log()
+    ids = torch.tensor([9, 2, 14, 5] + [0, 1, 3, 4, 6, 7, 8, 10, 11, 12, 13, 15]).expand(n, -1).contiguous()
+    kept = log_p.clone()
+    kept[:, 2:] = float("-inf")  # top-k 2: 0.4 and 0.3 renormalised
+    got = _kernel(kept.log_softmax(dim=-1), _keys(n, salt=12), ids)
+    freq = {t: (got == t).float().mean().item() for t in (9, 2)}
+    assert set(got.tolist()) == {9, 2}
+    assert abs(freq[9] - 4 / 7) < 5 * (4 / 7 * 3 / 7 / n) ** 0.5
