@@ -67,3 +67,25 @@ def test_pack_refused_where_impossible():
         pytest.skip("fp16 packs here")
     with pytest.raises(ValueError, match="cannot pack"):
         Linear(torch.randn(4, 4).half(), pack=True)
+
+
+def test_a_weight_the_kernel_does_not_serve_never_reaches_it(monkeypatch):
+    """No C++ kernels (KVPAGER_CPU_KERNELS=0, no compiler) or a weight its probe
+    refused: every step goes to oneDNN, a step with no rows too (a prefill chunk
+    that samples nothing sends the vocabulary projection 0 rows)."""
+    from kvpager_kernels import packed_gemm
+
+    if not packable(torch.float32):
+        pytest.skip("oneDNN does not pack fp32 weights here")
+    monkeypatch.setattr(packed_gemm, "usable", lambda *a, **k: False)
+
+    def never(*a, **k):
+        raise AssertionError("the packed-weight kernel was called for a weight it does not serve")
+
+    monkeypatch.setattr(packed_gemm, "gemm", never)
+    w = torch.randn(48, 32)
+    lin = Linear(w)
+    assert lin.mode == "packed" and lin.small_rows == 0
+    for rows in (0, 1, 5):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(lin(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
