@@ -45,18 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from kvpager_kernels.greedy import argmax_rows
-from kvpager_kernels.gumbel import gumbel_argmax, row_keys, token_uniforms
+from kvpager_kernels.gumbel import gumbel_argmax, row_keys
 from kvpager_kernels.sort_rows import sort_rows
-
-
-def hash_uniform(
-    seeds: torch.Tensor, positions: torch.Tensor, sample_index: torch.Tensor, vocab_size: int
-) -> torch.Tensor:
-    """Uniforms in (0, 1), one per (sample, token id) (kvpager_kernels.gumbel).
-
-    seeds, positions, sample_index: [N] int64 -> [N, vocab_size] float64.
-    """
-    return token_uniforms(row_keys(seeds, positions, sample_index), vocab_size)
 
 
 @dataclass(slots=True)

@@ -503,7 +503,7 @@ async def _sender(target: Target, ignore_eos: bool, cache_salt: str, seed: int, 
         async def send(i: int, req: BenchRequest, rec: RequestRecord) -> None:
             text = target.tokenizer.decode(req.prompt_ids) if target.backend == "openai-chat" else None
             path, body = request_body(target.backend, model, req.prompt_ids, req.max_tokens, ignore_eos=ignore_eos,
-                                      cache_salt=cache_salt, prompt_text=text, sampling=sampling.as_dict())
+                                      cache_salt=cache_salt, prompt_text=text, sampling=sampling)
             await stream_one(client, path, body, rec)
 
         yield send

@@ -33,7 +33,8 @@ import sys
 import time
 
 from kvpager_tools.bench import common as bc
-from kvpager_tools.bench.common import StackOptions, embedded_stack, model_dir, progress, run_load, token_range
+from kvpager_tools.bench.common import (GREEDY, BenchSampling, StackOptions, embedded_stack, model_dir, progress,
+                                        run_load, token_range)
 
 NAME = "compare-hf"
 
@@ -139,16 +140,16 @@ def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int, max_bat
 
 
 def kvpager_run(gateway: str, prompts: list[list[int]], max_new_tokens: int, salt: str,
-                stream_interval: int = 0, sampling=None) -> tuple[float, list]:
+                stream_interval: int = 0, sampling: BenchSampling = GREEDY) -> tuple[float, list]:
     """All prompts at once; a fresh cache salt per run, so no run is served
     from the prefix cache an earlier one filled (transformers has none).
     ``stream_interval``: the requests' (0 = the gateway's default);
-    ``sampling``: a common.BenchSampling (None: greedy)."""
-    from kvpager_tools.bench.common import GREEDY, BenchRequest
+    ``sampling``: every request's (greedy by default)."""
+    from kvpager_tools.bench.common import BenchRequest
 
     reqs = [BenchRequest(p, max_new_tokens) for p in prompts]
     res = asyncio.run(run_load(gateway, reqs, ignore_eos=True, cache_salt=salt, stream_interval=stream_interval,
-                               sampling=sampling or GREEDY))
+                               sampling=sampling))
     failed = [r.error for r in res.records if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} kvpager requests failed: {failed[0]}")

@@ -291,8 +291,8 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
         bc.progress(NAME, f"vLLM ready (load {vllm.ready['load_s']:.0f}s); kvpager: starting the stack ({dtype})")
         with bc.embedded_stack(opts) as stack:
             gw = stack.addresses.gateway
-            kvpager_run(gw, prompts, max_new_tokens, "warmup", stream_interval,  # the whole workload once: every shape
-                        sampling)
+            # The whole workload once: every shape, the allocator.
+            kvpager_run(gw, prompts, max_new_tokens, "warmup", stream_interval, sampling)
             for r in range(repeats):
                 waited = bc.settle(settle_s)
                 vllm_rounds.append({**vllm.round(), "settled_s": waited})

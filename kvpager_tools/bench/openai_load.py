@@ -20,17 +20,16 @@ BACKENDS = ("grpc", "openai", "openai-chat")
 
 def request_body(backend: str, model: str, prompt_ids: list[int], max_tokens: int, *, ignore_eos: bool,
                  cache_salt: str = "", prompt_text: str | None = None,
-                 sampling: dict | None = None) -> tuple[str, dict]:
-    """(path, body) of one streamed request: greedy, or ``sampling``'s
-    temperature, top_p and top_k (0: off; top_k is vLLM's extension, which
-    kvpager's API takes too)."""
-    s = sampling or {}
-    body: dict = {"model": model, "temperature": s.get("temperature", 0), "stream": True,
+                 sampling=None) -> tuple[str, dict]:
+    """(path, body) of one streamed request: greedy, or ``sampling``'s (a
+    common.BenchSampling) temperature, top_p and top_k (0: off; top_k is
+    vLLM's extension, which kvpager's API takes too)."""
+    body: dict = {"model": model, "temperature": sampling.temperature if sampling else 0, "stream": True,
                   "stream_options": {"include_usage": True}}
-    if s.get("top_p", 1) < 1:
-        body["top_p"] = s["top_p"]
-    if s.get("top_k", 0):
-        body["top_k"] = s["top_k"]
+    if sampling and sampling.top_p < 1:
+        body["top_p"] = sampling.top_p
+    if sampling and sampling.top_k:
+        body["top_k"] = sampling.top_k
     if ignore_eos:
         body["ignore_eos"] = True  # a vLLM extension other engines ignore or also take
     if cache_salt:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from executor_service.sampler import SamplingInputs, apply_top_k_top_p, hash_uniform, sample
-from kvpager_kernels.gumbel import splitmix64
+from executor_service.sampler import SamplingInputs, apply_top_k_top_p, sample
+from kvpager_kernels.gumbel import row_keys, splitmix64, token_uniforms
 
 
 def _inputs(num_rows=1, *, num_samples=1, temperature=1.0, top_p=1.0, top_k=0, positions=None, seeds=None,
@@ -51,13 +51,13 @@ def test_splitmix64_matches_the_reference_constants():
     assert got[0] & mask == 0xE220A8397B1DCDAF
 
 
-def test_hash_uniform_is_a_pure_function_of_its_key():
+def test_token_uniforms_are_a_pure_function_of_their_key():
     seeds = torch.tensor([7, 7, 7, 8])
     pos = torch.tensor([3, 3, 4, 3])
     idx = torch.tensor([0, 1, 0, 0])
-    u = hash_uniform(seeds, pos, idx, 16)
+    u = token_uniforms(row_keys(seeds, pos, idx), 16)
     assert u.shape == (4, 16) and bool(((u > 0) & (u < 1)).all())
-    again = hash_uniform(seeds.flip(0), pos.flip(0), idx.flip(0), 16).flip(0)
+    again = token_uniforms(row_keys(seeds.flip(0), pos.flip(0), idx.flip(0)), 16).flip(0)
     assert torch.equal(u, again)  # batch order does not matter
     for i in range(4):
         for j in range(i + 1, 4):

@@ -101,7 +101,7 @@ def test_sampled_runs_reach_the_engine(stack):
     assert top1 == greedy
     assert hot != greedy and all(len(t) == 12 for t in hot)
     path, body = request_body("openai", "m", [1, 2], 4, ignore_eos=True,
-                              sampling=bc.BenchSampling(0.7, 0.9, 40).as_dict())
+                              sampling=bc.BenchSampling(0.7, 0.9, 40))
     assert path == "/v1/completions" and (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 40)
     http = asyncio.run(bc.run_load(bc.Target(backend="openai", base_url=stack.addresses.http),
                                    [bc.BenchRequest(p, 12) for p in prompts], cache_salt="sampling-http-top1",
