@@ -15,8 +15,10 @@ if TYPE_CHECKING:
 
 
 PLACEHOLDER = -1     # a token id not known yet (see Sequence.num_pending)
-MAX_PENDING = 2      # placeholders one sequence may hold (Executes in flight ahead of its appends)
-MAX_LOOKAHEAD = 63   # tokens one sequence may sample ahead in a step (a decode burst of 64), beyond those
+# Placeholders one sequence may hold: MAX_PENDING + MAX_LOOKAHEAD, its tokens that Executes in
+# flight sample (two one-token steps; or a burst's and the last sample a step planned ahead feeds).
+MAX_PENDING = 2
+MAX_LOOKAHEAD = 63   # tokens one sequence may sample ahead in a step (a decode burst of 64)
 
 
 @dataclass(slots=True, eq=False)

@@ -245,9 +245,10 @@ class StepValidator:
                     raise FailedPrecondition(f"pending: sequence {seq_id} is {seq.status.name.lower()}, not "
                                              "running: nothing of it is being sampled")
                 replaced = min(appended.get(seq_id, 0), seq.num_pending)
-                if seq.num_pending - replaced + 1 > MAX_PENDING:
-                    raise FailedPrecondition(f"pending: sequence {seq_id} would hold more than {MAX_PENDING} "
-                                             "tokens not yet known")
+                # Behind a burst in flight (its lookahead's placeholders) the next step feeds its last sample.
+                if seq.num_pending - replaced + 1 > MAX_PENDING + MAX_LOOKAHEAD:
+                    raise FailedPrecondition(f"pending: sequence {seq_id} would hold more than "
+                                             f"{MAX_PENDING + MAX_LOOKAHEAD} tokens not yet known")
                 if seq.num_tokens + appended.get(seq_id, 0) - replaced + 1 > seq.token_limit:
                     raise InvalidArgument(f"pending: sequence {seq_id} is at its limit of {seq.token_limit} tokens")
         cuts = self._check_cuts(step, live, appended, pending, gone)

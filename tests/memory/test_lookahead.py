@@ -12,15 +12,15 @@ from kvpager.errors import FailedPrecondition, InvalidArgument
 from memory_service.kv_manager import ExecutorSpec
 from memory_service.manager import MemoryManager
 from memory_service.records import NewSeq, StepInput
-from memory_service.sequence import MAX_LOOKAHEAD, PLACEHOLDER
+from memory_service.sequence import MAX_LOOKAHEAD, MAX_PENDING, PLACEHOLDER
 
 BS = 4
 
 
-def _manager(num_blocks: int = 32) -> MemoryManager:
+def _manager(num_blocks: int = 32, max_model_len: int = 40) -> MemoryManager:
     m = MemoryManager()
     m.register_executor(ExecutorSpec("e0", num_blocks, BS, num_swap_blocks=0, model_id="m", dtype="f32",
-                                     max_model_len=40, vocab_size=100))
+                                     max_model_len=max_model_len, vocab_size=100))
     return m
 
 
@@ -243,4 +243,45 @@ def test_a_burst_never_takes_its_tenant_over_its_quota():
     out = m.step(StepInput(step_id=3, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[7],
                            **_app({1: [9]})))  # 9 + 7 ahead: 16 tokens, 4 blocks
     assert _rows(out) == [(1, 8)] and seq.num_pending == 7 and len(seq.blocks) == 4
+    assert m.check_invariants() == []
+
+
+def test_a_burst_planned_ahead_feeds_the_last_sample_of_the_one_in_flight():
+    """The gateway plans a burst's next one near its end: nothing of the first
+    is back, its last sample is fed (pending) and the second samples ahead too.
+    The memory service ends as a step-by-step run would."""
+    prompt, sampled = [5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    plain = _step_by_step(prompt, sampled, 20)
+    m = _manager()
+    _prefill(m, 1, prompt, 1)
+    m.step(StepInput(step_id=2, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[3],
+                     **_app({1: [11]})))  # burst 1: computes 11 and 12..14 (placeholders), samples 12..15
+    out = m.step(StepInput(step_id=3, pending_seq_ids=[1], schedule_seq_ids=[1], schedule_num_tokens=[1],
+                           schedule_lookahead=[3]))  # burst 2, fed 15 (pending): computes 15..18, samples 16..19
+    assert _rows(out) == [(1, 4)]
+    seq = m.seqs[1]
+    assert seq.token_ids == prompt + [11] + [PLACEHOLDER] * 7 and seq.num_pending == 7 and seq.num_computed == 11
+    m.step(StepInput(step_id=4, **_app({1: [12, 13, 14, 15]})))  # burst 1 back: its placeholders and the fed one
+    assert seq.num_pending == 3 and m.validator.pending_total == 3
+    m.step(StepInput(step_id=20, **_app({1: sampled[5:]})))
+    a = plain.seqs[1]
+    assert seq.num_pending == 0 and m.validator.pending_total == 0
+    assert (a.token_ids, a.num_computed, a.num_cached_blocks, a.block_hashes) == \
+        (seq.token_ids, seq.num_computed, seq.num_cached_blocks, seq.block_hashes)
+    assert m.check_invariants() == []
+
+
+def test_a_sequence_holds_at_most_max_pending_plus_max_lookahead_unknown_tokens():
+    bound = MAX_PENDING + MAX_LOOKAHEAD
+    m = _manager(num_blocks=64, max_model_len=200)
+    _prefill(m, 1, [5, 6, 7], 1)
+    m.step(StepInput(step_id=2, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[MAX_LOOKAHEAD],
+                     **_app({1: [11]})))
+    for step_id in range(3, 3 + bound - MAX_LOOKAHEAD):
+        m.step(StepInput(step_id=step_id, pending_seq_ids=[1], schedule_seq_ids=[1], schedule_num_tokens=[1]))
+    assert m.seqs[1].num_pending == bound
+    before = (list(m.seqs[1].token_ids), m.validator.pending_total)
+    with pytest.raises(FailedPrecondition, match=f"more than {bound}"):
+        m.step(StepInput(step_id=90, pending_seq_ids=[1]))
+    assert (list(m.seqs[1].token_ids), m.validator.pending_total) == before
     assert m.check_invariants() == []
