@@ -15,7 +15,9 @@ at once, names the burst (``prev_step_id``) and cuts it short (``cut_prev``,
 the forward it is in and runs the prefill next; the burst's rows get the
 tokens it sampled, and the next Step gives the memory service back the
 slots it did not compute (``Changes.cut``). Bursts only run while nothing
-waits to prefill.
+waits to prefill. With plan-ahead a burst's next step is planned near its
+end (``--burst-plan-lead-ms``; gateway.engine), fed its last sample: that
+step never cuts it.
 
 A row samples ahead only when every token of the burst samples the same way
 it would one step at a time: one completion (not a beam, not the first
@@ -45,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.outputs import first_at_once
-from gateway.state import Seq
+from gateway.state import PLACEHOLDER, Seq
 
 # The longest burst: the executor's MAX_DECODE_STEPS, the memory service's MAX_LOOKAHEAD + 1.
 MAX_STEPS = 64
@@ -77,6 +79,26 @@ class DecodeClock:
                 for eid, s in self.seconds.items()}
 
 
+NEVER = float("inf")
+
+
+def next_plan_at(sent: float, rows: list, per_step_s: float, lead_s: float) -> float:
+    """When (perf_counter) the step after an Execute sent at ``sent`` with
+    ``rows`` may be planned: at once (0.0) after a one-token step; after a
+    burst, ``lead_s`` (at least one forward) before it should end by the
+    executor's measured forwards (``per_step_s``: DecodeClock), so the executor
+    finds the next one queued instead of idling while the result, the Step and
+    the Execute travel (~4-6 ms between bursts on a 2-core machine,
+    docs/benchmarks.md), and a request arriving before then still cuts the
+    burst. ``lead_s`` 0: NEVER (the burst's next step waits for its return)."""
+    steps = max((r.burst for r in rows), default=0) + 1
+    if steps == 1:
+        return 0.0
+    if not lead_s:
+        return NEVER
+    return sent + steps * per_step_s - max(lead_s, per_step_s)
+
+
 def may_cut(burst_rows: list, rows: list, preempted: set[int]) -> bool:
     """Whether a step (``rows``) planned while a burst (``burst_rows``) runs on
     its executor may cut that burst short: when it prefills (a request that
@@ -84,16 +106,19 @@ def may_cut(burst_rows: list, rows: list, preempted: set[int]) -> bool:
     sequences (two groups of decodes take turns while plan-ahead hides each
     one's planning; cutting each other's bursts, neither would burst), and
     not when its plan preempted one of the burst's sequences (their blocks
-    are already moving)."""
+    are already moving), and not when it feeds a sequence the burst's last
+    sample (planned near the burst's end: it needs the whole burst)."""
     return any(r.burst for r in burst_rows) and any(len(r.token_ids) - r.burst > 1 for r in rows) \
-        and not any(r.seq.seq_id in preempted for r in burst_rows)
+        and not any(r.seq.seq_id in preempted for r in burst_rows) \
+        and not any(r.token_ids and r.token_ids[0] == PLACEHOLDER for r in rows)
 
 
-def room(seq: Seq, fed: bool, max_model_len: int) -> int:
+def room(seq: Seq, fed: int, max_model_len: int) -> int:
     """Tokens ``seq`` may sample in one burst (>= 1), or 0 when it must step
     one token at a time (then its executor does not burst: its one token per
-    step would wait for everyone's burst). ``fed``: its next input token is
-    still being sampled by a step in flight."""
+    step would wait for everyone's burst). ``fed``: its tokens that steps in
+    flight sample and this step feeds (0; 1 behind a one-token step; a burst
+    planned ahead, the running burst's tokens not yet back and its last sample)."""
     req = seq.request
     spec = req.spec
     if spec.beam_width > 1 or spec.penalized or spec.top_logprobs or (spec.n > 1 and not seq.sampled_first) \
@@ -102,11 +127,13 @@ def room(seq: Seq, fed: bool, max_model_len: int) -> int:
     num_output = len(seq.completion.output_ids) + fed  # before the burst's first sample
     if num_output < spec.min_tokens:
         return 0
-    total = len(seq.tokens) + fed  # its tokens once the one in flight is in
-    return max(1, min(spec.max_tokens - num_output, max_model_len - total))
+    total = len(seq.tokens) + fed  # its tokens once those in flight are in
+    # The memory service holds at most MAX_STEPS + 1 unknown tokens per sequence
+    # (memory_service.sequence: MAX_PENDING + MAX_LOOKAHEAD): those fed and the burst's.
+    return max(1, min(spec.max_tokens - num_output, max_model_len - total, MAX_STEPS + 2 - fed))
 
 
-def to_next_delta(seq: Seq, fed: bool) -> int:
+def to_next_delta(seq: Seq, fed: int) -> int:
     """Tokens until ``seq``'s next streamed delta (its request's
     stream_interval): a burst no longer than this delivers it no later."""
     comp = seq.completion
@@ -116,7 +143,7 @@ def to_next_delta(seq: Seq, fed: bool) -> int:
     return max(1, sent + seq.request.spec.stream_interval - num_output)
 
 
-def lookaheads(seqs: list[Seq], fed: list[bool], steps: int, max_model_len: int) -> tuple[list[int], bool]:
+def lookaheads(seqs: list[Seq], fed: list[int], steps: int, max_model_len: int) -> tuple[list[int], bool]:
     """One executor's decodes (all running, all in the step): the tokens each
     samples ahead in a burst of at most ``steps``, and whether the burst must
     answer sub-step by sub-step (ExecuteStream): some sequence's client waits

@@ -92,7 +92,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 # The scheduling flags' destinations: `kvpager up` offers the same group and passes each one on.
 SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "stream_interval", "plan_ahead",
-                    "num_scheduler_steps", "max_burst_ms", "cut_bursts")
+                    "num_scheduler_steps", "max_burst_ms", "cut_bursts", "burst_plan_lead_ms")
 
 
 def positive_int(text: str) -> int:
@@ -155,6 +155,12 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
                    help="plan each step only after the previous one returned (default: the next step of an "
                         "executor is planned and sent while its current one runs)")
+    g.add_argument("--burst-plan-lead-ms", type=non_negative_float, default=6.0,
+                   help="with plan-ahead, a decode burst's next step is planned and sent this long (at least "
+                        "one forward) before the burst should end by the executor's measured forwards, so the "
+                        "executor does not wait for the result and the next plan between bursts; a request "
+                        "arriving in that window waits for the burst's end (default 6; 0: a burst's next "
+                        "step is planned after it returns)")
 
 
 def scheduling_argv(args: argparse.Namespace) -> list[str]:
@@ -162,7 +168,8 @@ def scheduling_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--policy", args.policy, "--max-batch-tokens", str(args.max_batch_tokens),
             "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting),
             "--stream-interval", str(args.stream_interval),
-            "--num-scheduler-steps", str(args.num_scheduler_steps), "--max-burst-ms", f"{args.max_burst_ms:g}"]
+            "--num-scheduler-steps", str(args.num_scheduler_steps), "--max-burst-ms", f"{args.max_burst_ms:g}",
+            "--burst-plan-lead-ms", f"{args.burst_plan_lead_ms:g}"]
     if not args.plan_ahead:
         argv.append("--no-plan-ahead")
     if not args.cut_bursts:
@@ -222,6 +229,7 @@ def config_from_args(args: argparse.Namespace):
                                              step_timeout_s=args.step_timeout_s, plan_ahead=args.plan_ahead,
                                              num_scheduler_steps=args.num_scheduler_steps,
                                              max_burst_ms=args.max_burst_ms, cut_bursts=args.cut_bursts,
+                                             burst_plan_lead_ms=args.burst_plan_lead_ms,
                                              executor_info_timeout_s=args.executor_info_timeout_s,
                                              caps=caps, recovery=RecoveryConfig(args.max_retries,
                                                                                 args.recovery_timeout_s)),

@@ -17,7 +17,6 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from kvpager.errors import Aborted, FailedPrecondition, KvpagerError, NotFound, Unavailable
 from kvpager.prefix_index.hashing import PromptChain
@@ -32,6 +31,7 @@ from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
 from gateway.engine_config import EngineConfig
 from gateway.failures import FailureLog, for_client
+from gateway.inflight import Call, bursts_running, next_burst_plan
 from gateway.membership import Executors
 from gateway.outputs import Outbox
 from gateway.recovery import Recovery
@@ -44,19 +44,6 @@ from gateway.sequences import SequenceTable
 from gateway.state import Output, Request, Seq
 
 log = get_logger("gateway.engine")
-
-
-@dataclass(slots=True)
-class _Inflight:
-    """An Execute call on its way: an executor with one is busy."""
-
-    ex: ExecutorClient
-    task: asyncio.Task
-    rows: list[wire.Row]
-    sent: float        # perf_counter when sent
-    step_start: float  # perf_counter when its step began
-    step_id: int = 0
-    parts: list = field(default_factory=list)  # a streamed burst's sub-steps come, not taken yet
 
 
 class Engine:
@@ -84,7 +71,7 @@ class Engine:
         self._step_id = int(time.time() * 1000) << 8  # increasing across gateway restarts
         self._refresh_now = asyncio.Event()
         self._failures = FailureLog()
-        self._inflight: list[_Inflight] = []  # oldest first
+        self._inflight: list[Call] = []  # oldest first
         self._parts = asyncio.Event()  # a streamed burst's sub-step came back
         self._depth = 2 if config.plan_ahead else 1  # Executes one executor may have in flight (one planned ahead)
         self._tasks: list[asyncio.Task] = []
@@ -252,8 +239,10 @@ class Engine:
         for call in self._inflight:
             running[call.ex.executor_id] = running.get(call.ex.executor_id, 0) + 1
         idle = [eid for eid in self.executors if running.get(eid, 0) < self._depth]
-        batch = self.scheduler.schedule(self.sequences, idle, self.executors.limits.max_model_len if idle else 0)
-        if not (batch or self.sequences.changes):
+        batch = self.scheduler.schedule(self.sequences, idle, self.executors.limits.max_model_len if idle else 0,
+                                        bursts_running(self._inflight, t0, self.scheduler.clock, self._lead_s))
+        # Sampled tokens alone ride with the next plan while Executes run (a Step would take cores from the forward).
+        if not batch and (not self.sequences.changes or (self._inflight and self.sequences.changes.only_appends())):
             self.outbox.flush()
             if self.sequences.seqs and not self._inflight:
                 await asyncio.sleep(0.005)  # nothing fits now (waiting for executors)
@@ -263,7 +252,7 @@ class Engine:
         self._step_id += 1
         changes = self.sequences.take_changes()
         # Decodes fed with a token still being sampled: placeholders at the memory service.
-        pending = [s for s in batch.seqs if s.feed_ahead and not s.placeholders and s.num_computed == len(s.tokens)]
+        pending = [s for s, fed in zip(batch.seqs, batch.fed) if fed]
         for s in pending:
             s.placeholders += 1
         metrics.ROWS_FED_AHEAD.inc(len(pending))
@@ -298,7 +287,7 @@ class Engine:
             parts: list = []  # its clients get each sub-step's tokens as it ends (streamed) or with the whole
             on_part = functools.partial(self._part_came, parts) if ep.executor_id in batch.streamed else None
             task = asyncio.ensure_future(ex.execute(request, self.config.step_timeout_s, on_part))
-            self._inflight.append(_Inflight(ex, task, rows, time.perf_counter(), t0, self._step_id, parts))
+            self._inflight.append(Call(ex, task, rows, time.perf_counter(), t0, self._step_id, parts))
         self.outbox.flush()  # the Execute calls go out first; the streams run during the forward
         metrics.STEP_SECONDS.labels("plan").observe(t_plan - t0)
         metrics.SCHEDULED_SEQS.observe(len(batch.seqs))
@@ -332,16 +321,26 @@ class Engine:
         parts.append(msg)
         self._parts.set()
 
+    @property
+    def _lead_s(self) -> float:
+        """How long before a burst's end its next step is planned (gateway.inflight); 0: after."""
+        return self.config.burst_plan_lead_ms / 1e3 if self._depth > 1 else 0.0
+
     async def _collect(self) -> None:
         """Wait until an Execute returns (or new work wakes the loop: an idle
-        executor may take it now), taking a streamed burst's sub-steps as they
-        come; then apply every finished one in order."""
+        executor may take it now, or a burst nears its end: its next step is
+        planned), taking a streamed burst's sub-steps as they come; then apply
+        every finished one in order."""
+        plan_at = next_burst_plan(self._inflight, time.perf_counter(), self.scheduler.clock, self._lead_s)
         while not any(call.task.done() for call in self._inflight) and not self._wake.is_set():
+            now = time.perf_counter()
+            if plan_at and now >= plan_at:
+                return  # the loop plans the burst's next step
             if not self._parts.is_set():
                 wakers = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self._parts.wait())]
                 try:
                     await asyncio.wait([*wakers, *(call.task for call in self._inflight)],
-                                       return_when=asyncio.FIRST_COMPLETED)
+                                       timeout=plan_at - now if plan_at else None, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     for waker in wakers:
                         waker.cancel()
@@ -366,7 +365,7 @@ class Engine:
         if self.results.take_parts(self._inflight, self.executors.get) or flush:
             self.outbox.flush()  # streamed at once
 
-    def _finish_execute(self, call: _Inflight) -> None:
+    def _finish_execute(self, call: Call) -> None:
         ex, task = call.ex, call.task
         if task.cancelled():
             return

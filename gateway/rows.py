@@ -43,14 +43,14 @@ class RowBuilder:
             seq.status = SeqStatus.RUNNING
             seq.num_computed = p.start + p.num_tokens
             row = wire.Row(seq, p.start, seq.tokens[p.start:seq.num_computed])
-            # Placeholders at the memory service now: the token a step in flight samples
+            # Placeholders at the memory service now: the tokens steps in flight sample
             # (counted before the Step) and those this plan granted to sample ahead.
             unknown = seq.num_computed - len(seq.tokens)
             row.burst = max(0, unknown - seq.placeholders)
             seq.placeholders += row.burst
-            ahead = unknown > row.burst  # fed the token a step in flight samples
-            if unknown > 0:
-                row.token_ids.extend([wire.PLACEHOLDER] * unknown)
+            ahead = unknown - row.burst  # tokens steps in flight sample before this row's first
+            if unknown > 0:  # this row's: a fed one (the last of those in flight) and its burst's
+                row.token_ids.extend([wire.PLACEHOLDER] * (seq.num_computed - max(p.start, len(seq.tokens))))
             spec = req.spec
             if spec.penalized and p.started and p.start:
                 row.history = seq.tokens[:p.start]  # the executor keeps the rest (executor_service/history.py)
@@ -62,7 +62,7 @@ class RowBuilder:
             rows.append(row)
         return rows
 
-    def _sampling(self, row: wire.Row, seq: Seq, ahead: bool, max_model_len: int,
+    def _sampling(self, row: wire.Row, seq: Seq, ahead: int, max_model_len: int,
                   eos_ids: frozenset[int]) -> None:
         req, spec = seq.request, seq.request.spec
         if spec.n > 1 and not seq.sampled_first:
@@ -77,9 +77,9 @@ class RowBuilder:
         if spec.processed:
             row.bias = logit_bias_for(spec, num_output, eos_ids)
         seq.sampling += 1
-        # A burst's samples come back together: the next step is planned after it returns.
-        seq.feed_ahead = self.plan_ahead and row.num_samples == 1 and not row.burst and \
-            _may_continue(seq, num_output + 1, max_model_len)
+        # A burst's next step is planned near its end (gateway.engine: hold), fed its last sample.
+        seq.feed_ahead = self.plan_ahead and row.num_samples == 1 and \
+            _may_continue(seq, num_output + 1 + row.burst, max_model_len)
 
 
 def _may_continue(seq: Seq, num_output: int, max_model_len: int) -> bool:

@@ -72,9 +72,24 @@ class Batch:
     lookahead: list[int] = field(default_factory=list)
     # Executors whose burst answers sub-step by sub-step (ExecuteStream): a client waits for tokens mid-burst.
     streamed: set[str] = field(default_factory=set)
+    # Per entry of seqs: its tokens that steps in flight sample and this step feeds (0: none; its
+    # last one needs a placeholder at the memory service, the others hold theirs already).
+    fed: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
+
+
+def fed_tokens(seq: Seq) -> int:
+    """Tokens of ``seq`` that steps in flight sample and a step planned now
+    would feed (0: none may be fed). A running sequence fed ahead
+    (``Seq.feed_ahead``) whose every computed token is known or held as a
+    placeholder: the token its latest row samples, after the ones a burst in
+    flight samples before it (held as placeholders: ``Seq.placeholders``)."""
+    unknown = seq.num_computed - len(seq.tokens)
+    if not seq.feed_ahead or seq.status is not SeqStatus.RUNNING or unknown != seq.placeholders:
+        return 0
+    return unknown + 1
 
 
 @dataclass(slots=True)
@@ -90,10 +105,12 @@ class Scheduler:
         if not 1 <= self.num_steps <= MAX_STEPS:
             raise ValueError(f"num_scheduler_steps must be in [1, {MAX_STEPS}], got {self.num_steps}")
 
-    def schedule(self, seqs: Iterable[Seq], idle: Collection[str], max_model_len: int = 0) -> Batch:
+    def schedule(self, seqs: Iterable[Seq], idle: Collection[str], max_model_len: int = 0,
+                 hold: Collection[str] = ()) -> Batch:
         """The work of the executors in ``idle`` (the others cannot take a step
         now). A sequence whose next token a step in flight samples and that may
-        be fed ahead (``Seq.feed_ahead``) counts that token as its next to compute.
+        be fed ahead (``Seq.feed_ahead``) counts that token as its next to compute,
+        unless its executor is in ``hold`` (a burst runs there, not near its end).
         ``max_model_len``: the executors' context limit (bursts stay under it)."""
         budget = dict.fromkeys(idle, self.max_batch_tokens)
         running = dict.fromkeys(idle, 0)
@@ -101,15 +118,15 @@ class Scheduler:
         batch = Batch()
         bursts = self.num_steps > 1 and max_model_len > 0
         mixed: set[str] = set()  # executors with work other than running decodes: no burst
-        fed: list[bool] = []     # per batch entry: its input token is being sampled in flight
+        fed: list[int] = []      # per batch entry: tokens in flight it is fed (Batch.fed)
         for s in sorted(seqs, key=self.policy.key):
             if open_executors == 0 and not bursts:
                 break
             eid = s.executor_id
             remaining = len(s.tokens) - s.num_computed
-            ahead = s.feed_ahead and s.status is SeqStatus.RUNNING
-            if ahead:
-                remaining += 1  # the token being sampled, fed as a placeholder
+            in_flight = fed_tokens(s) if eid not in hold else 0
+            if in_flight:
+                remaining = 1  # the last token being sampled, fed as a placeholder
             if budget.get(eid, 0) <= 0:
                 if bursts and eid in budget and remaining > 0:
                     mixed.add(eid)  # work left out of this step: it waits for the next
@@ -118,7 +135,7 @@ class Scheduler:
                 continue
             if bursts and (s.status is not SeqStatus.RUNNING or remaining != 1):
                 mixed.add(eid)
-            fed.append(ahead and remaining == 1 and len(s.tokens) == s.num_computed)
+            fed.append(in_flight)
             k = min(remaining, budget[eid])
             budget[eid] -= k
             running[eid] += 1
@@ -129,11 +146,12 @@ class Scheduler:
             batch.num_tokens.append(k)
             if not s.created:
                 batch.new.append(s)
+        batch.fed = fed
         if bursts and len(mixed) < len(budget):
             self._bursts(batch, fed, mixed, max_model_len)
         return batch
 
-    def _bursts(self, batch: Batch, fed: list[bool], mixed: set[str], max_model_len: int) -> None:
+    def _bursts(self, batch: Batch, fed: list[int], mixed: set[str], max_model_len: int) -> None:
         """batch.lookahead for the executors whose every sequence is a running decode in the batch."""
         rows: dict[str, list[int]] = {}
         for i, s in enumerate(batch.seqs):

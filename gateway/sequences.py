@@ -32,6 +32,9 @@ class Changes:
     def __bool__(self) -> bool:
         return bool(self.forks or self.appends or self.free or self.abort or self.cut)
 
+    def only_appends(self) -> bool:
+        return not (self.forks or self.free or self.abort or self.cut)
+
 
 class SequenceTable:
     def __init__(self) -> None:

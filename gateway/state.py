@@ -16,6 +16,9 @@ from kvpager.prefix_index.hashing import PromptChain
 from kvpager.seq_status import SeqStatus
 from gateway.params import SamplingSpec
 
+# An input token the executor fills in with its own sample of step prev_step_id.
+PLACEHOLDER = -1
+
 
 class Finish(enum.IntEnum):
     """Mirrors kvpager.v1.FinishReason."""

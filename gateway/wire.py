@@ -18,13 +18,11 @@ from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
 from gateway.clients import ExecutorClient
 from gateway.scheduling import Batch
 from gateway.sequences import Changes
-from gateway.state import Seq
+from gateway.state import PLACEHOLDER, Seq  # noqa: F401 (wire.PLACEHOLDER: what rows send)
 
 # Seeds travel as int64: a client's uint64 seed (+ completion index) is taken
 # modulo 2**63 (an unmasked 2**63 overflowed the step and failed every request).
 SEED_MASK = (1 << 63) - 1
-# An input token the executor fills in with its own sample of step prev_step_id.
-PLACEHOLDER = -1
 
 
 # ---- the Step ---------------------------------------------------------------------------

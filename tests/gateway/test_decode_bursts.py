@@ -267,7 +267,8 @@ async def arrival_mid_burst(stack, oracle, seed: int, forward_s: float, pause_s:
     (step id, prev step id, decode steps, cut_prev, streamed, sub-steps run)."""
     engine = stack.gateway.engine
     executor = stack.executors[0].executor
-    forward = executor._run
+    runner = executor.runner
+    forward = runner.forward
     ex = engine.executors["executor-0"]
     real_execute = ex.execute
     sent = []
@@ -279,12 +280,13 @@ async def arrival_mid_burst(stack, oracle, seed: int, forward_s: float, pause_s:
         row[5] = resp.sub_steps_run
         return resp
 
-    def slow(*args):
+    def slow(*args):  # inside the executor's forward timer: the gateway's clock sees it
         time.sleep(forward_s)
         return forward(*args)
 
-    ex.execute, executor._run = spy, slow
+    ex.execute, runner.forward = spy, slow
     engine.scheduler.max_burst_s = 1.0
+    engine.scheduler.clock.seconds["executor-0"] = forward_s  # (a burst's next step is planned near its end)
     try:
         first, second = prompts(2, seed=seed)
         a = asyncio.ensure_future(generate(stack.gw, first, max_tokens=24, ignore_eos=True))
@@ -296,7 +298,7 @@ async def arrival_mid_burst(stack, oracle, seed: int, forward_s: float, pause_s:
         assert (await a)[0][0] == oracle.greedy(first, 24, min_new_tokens=24)
         assert b[0][0] == oracle.greedy(second, 4, min_new_tokens=4)
     finally:
-        ex.execute, executor._run = real_execute, forward
+        ex.execute, runner.forward = real_execute, forward
         engine.scheduler.max_burst_s = 0.03
     await stack.wait_idle()
     return sent
@@ -328,3 +330,94 @@ async def test_a_request_arriving_mid_burst_cuts_it_short(stacks, streamed, orac
     for step, steps, ran in cuts:
         assert 1 <= ran < steps
         assert any(prev == step and cut for _, prev, _, cut, _, _ in sent), (step, sent)  # by the step behind it
+
+
+async def bursts_timed(stack, body, forward_s: float = 0.02, lead_ms: float | None = None) -> list:
+    """Runs ``body()`` on ``stack`` with its executor's forwards ``forward_s``
+    slower (inside the executor's timer: the gateway's clock knows) and bursts
+    of 4 whatever that time; returns every Execute as [step id, prev step id,
+    decode steps, sent, returned] (perf_counter seconds)."""
+    engine = stack.gateway.engine
+    runner = stack.executors[0].executor.runner
+    forward = runner.forward
+    ex = engine.executors["executor-0"]
+    real_execute = ex.execute
+    lead = engine.config.burst_plan_lead_ms
+    sent = []
+
+    async def spy(request, timeout_s=None, on_part=None):
+        row = [request.step_id, request.prev_step_id, request.decode_steps, time.perf_counter(), 0.0]
+        sent.append(row)
+        try:
+            return await real_execute(request, timeout_s, on_part)
+        finally:
+            row[4] = time.perf_counter()
+
+    def slow(*args):
+        time.sleep(forward_s)
+        return forward(*args)
+
+    ex.execute, runner.forward = spy, slow
+    engine.scheduler.max_burst_s = 1.0
+    engine.scheduler.clock.seconds["executor-0"] = forward_s
+    if lead_ms is not None:
+        engine.config.burst_plan_lead_ms = lead_ms
+    try:
+        await body()
+        assert stack.memory.state.manager.check_invariants() == []
+    finally:
+        ex.execute, runner.forward = real_execute, forward
+        engine.scheduler.max_burst_s = 0.03
+        engine.config.burst_plan_lead_ms = lead
+    await stack.wait_idle()
+    return sent
+
+
+def bursts_planned_ahead(sent: list) -> list[tuple[list, list]]:
+    """(burst, the burst after it) pairs where the second was sent before the first returned."""
+    by_id = {row[0]: row for row in sent}
+    return [(by_id[b[1]], b) for b in sent
+            if b[2] > 1 and b[1] in by_id and by_id[b[1]][2] > 1 and b[3] < by_id[b[1]][4]]
+
+
+async def test_a_bursts_next_one_is_planned_near_its_end(stacks, oracle):
+    """With plan-ahead a burst's next burst is planned and sent while it runs,
+    fed its last sample, so the executor does not idle between them; not at
+    once but near its end by the executor's measured forwards (a request
+    arriving before then still cuts it). generate's tokens; every block back."""
+    bursts, _ = stacks
+    p = prompts(1, seed=51)[0]
+
+    async def body():
+        res = await generate(bursts.gw, p, max_tokens=24, ignore_eos=True)
+        assert res[0][0] == oracle.greedy(p, 24, min_new_tokens=24)
+
+    sent = await bursts_timed(bursts, body)
+    pairs = bursts_planned_ahead(sent)
+    assert pairs, sent
+    for first, second in pairs:
+        # 4 forwards of >= 20 ms: planned one forward (the lead is at least one) before the end, not at once
+        assert second[3] - first[3] >= 0.045, (first, second)
+
+
+async def test_a_lead_of_zero_plans_a_bursts_next_step_after_it_returns(stacks, oracle):
+    bursts, _ = stacks
+    p = prompts(1, seed=52)[0]
+
+    async def body():
+        res = await generate(bursts.gw, p, max_tokens=16, ignore_eos=True)
+        assert res[0][0] == oracle.greedy(p, 16, min_new_tokens=16)
+
+    sent = await bursts_timed(bursts, body, lead_ms=0.0)
+    assert any(row[2] > 1 for row in sent) and not bursts_planned_ahead(sent), sent
+
+
+async def test_a_stop_in_a_burst_whose_next_one_is_planned_discards_that_one(stacks, oracle):
+    """A stop token mid-burst ends the request there; the burst planned after
+    it computed past the end: its tokens are discarded, never streamed, and
+    its blocks come back."""
+    bursts, _ = stacks
+    before = discarded()
+    sent = await bursts_timed(bursts, lambda: check_stop_token_mid_completion([bursts], oracle, prompts(3, seed=53),
+                                                                              16, first=6))
+    assert bursts_planned_ahead(sent) and discarded() > before

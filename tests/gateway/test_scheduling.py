@@ -70,11 +70,11 @@ def decode(arrival: int, executor: str = "e", interval: int = 64, max_tokens: in
     return s
 
 
-def plan(seqs, steps: int = 8, idle=("e",), forward_s: dict | None = None, **kw):
+def plan(seqs, steps: int = 8, idle=("e",), forward_s: dict | None = None, hold=(), **kw):
     """One schedule; each executor measured at ``forward_s`` (default 1 ms per forward)."""
     clock = DecodeClock(seconds=forward_s if forward_s is not None else dict.fromkeys(idle, 0.001))
     return Scheduler(PriorityPolicy(), num_steps=steps, clock=clock, **kw).schedule(seqs, set(idle),
-                                                                                   max_model_len=1000)
+                                                                                   max_model_len=1000, hold=hold)
 
 
 def bursts(seqs, **kw) -> dict[int, int]:
@@ -166,6 +166,10 @@ def test_the_burst_flag_is_bounded():
     for bad in ("-1", "nan", "inf", "x"):
         with pytest.raises(SystemExit):
             p.parse_args(["--max-burst-ms", bad])
+        with pytest.raises(SystemExit):
+            p.parse_args(["--burst-plan-lead-ms", bad])
+    assert p.parse_args([]).burst_plan_lead_ms == 6.0
+    assert p.parse_args(["--burst-plan-lead-ms", "0"]).burst_plan_lead_ms == 0.0
 
 
 def test_only_a_step_that_prefills_cuts_the_burst_running_before_it():
@@ -179,3 +183,53 @@ def test_only_a_step_that_prefills_cuts_the_burst_running_before_it():
     assert not may_cut(running, decode_only, set())  # two groups of decodes take turns: neither cuts the other
     assert not may_cut(running[1:], prefill, set())  # not a burst
     assert not may_cut(running, prefill, {running[0].seq.seq_id})  # the step preempted one of its sequences
+    # a step fed the burst's last sample (planned near its end) needs all of it: no cut
+    fed = row(tokens=0, burst=3)
+    fed.token_ids.insert(0, fed.token_ids[0])
+    assert not may_cut(running, [*prefill, fed], set())
+
+
+def in_burst(arrival: int, burst: int, taken: int = 0, **kw):
+    """A running decode whose burst of 1 + ``burst`` tokens is in flight with
+    ``taken`` of them back (as RowBuilder and the results leave it), fed ahead."""
+    s = decode(arrival, **kw)
+    s.num_computed += 1 + burst            # its last known token and the burst's placeholders
+    s.placeholders = burst - taken
+    s.tokens += [3] * taken
+    s.completion.output_ids += [3] * taken
+    s.feed_ahead = True
+    return s
+
+
+def test_a_burst_in_flight_is_fed_its_last_sample_unless_held():
+    from gateway.scheduling import fed_tokens
+
+    s = in_burst(0, burst=5, taken=2)
+    assert fed_tokens(s) == 4                                # 3 not back + the last sample
+    batch = plan([s], forward_s={"e": 0.001})
+    assert batch.num_tokens == [1] and batch.fed == [4]
+    assert batch.lookahead == [7]                            # then a burst of its own
+    assert not plan([in_burst(0, burst=5)], hold={"e"})      # held: not near the burst's end yet
+    # not fed: a plain running decode; one whose last token is known but not computed (a burst cut short)
+    assert fed_tokens(decode(1)) == 0
+    cut = decode(2)
+    cut.feed_ahead = True
+    assert fed_tokens(cut) == 0 and plan([cut]).fed == [0]
+
+
+def test_a_fed_bursts_lookahead_leaves_the_memory_services_bound():
+    from gateway.bursts import MAX_STEPS, room
+
+    s = in_burst(0, burst=60, max_tokens=1000)
+    assert room(s, 61, 10_000) == MAX_STEPS + 2 - 61          # 61 unknown and 4 ahead: 65 held at most
+    assert room(s, 70, 10_000) == 1                           # none ahead
+
+
+def test_a_bursts_next_step_is_planned_near_its_end():
+    from gateway.bursts import NEVER, next_plan_at
+
+    burst = [row(burst=7), row(burst=3)]                      # 8 forwards
+    assert next_plan_at(10.0, [row(), row()], 0.005, 0.006) == 0.0               # one-token step: at once
+    assert next_plan_at(10.0, burst, 0.005, 0.006) == pytest.approx(10.0 + 0.040 - 0.006)
+    assert next_plan_at(10.0, burst, 0.010, 0.006) == pytest.approx(10.0 + 0.080 - 0.010)  # >= one forward
+    assert next_plan_at(10.0, burst, 0.005, 0.0) == NEVER                        # lead 0: after it returns

@@ -1,0 +1,46 @@
+"""The Executes in flight, oldest first (at most two per executor: one
+planned ahead), and when the step after each executor's latest may be
+planned (``gateway.bursts.next_plan_at``: at once after a one-token step,
+near its end after a burst)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from gateway import wire
+from gateway.bursts import NEVER, DecodeClock, next_plan_at
+from gateway.clients import ExecutorClient
+
+
+@dataclass(slots=True)
+class Call:
+    """An Execute call on its way: an executor with one is busy."""
+
+    ex: ExecutorClient
+    task: asyncio.Task
+    rows: list[wire.Row]
+    sent: float        # perf_counter when sent
+    step_start: float  # perf_counter when its step began
+    step_id: int = 0
+    parts: list = field(default_factory=list)  # a streamed burst's sub-steps come, not taken yet
+
+
+def latest(calls: list[Call]) -> list[Call]:
+    """Each executor's latest call."""
+    return list({call.ex.executor_id: call for call in calls}.values())
+
+
+def plan_at(call: Call, clock: DecodeClock, lead_s: float) -> float:
+    return next_plan_at(call.sent, call.rows, clock.seconds.get(call.ex.executor_id, 0.0), lead_s)
+
+
+def bursts_running(calls: list[Call], now: float, clock: DecodeClock, lead_s: float) -> set[str]:
+    """Executors whose latest call is a decode burst not near its end: their
+    sequences are not fed ahead yet (``Scheduler.schedule``'s ``hold``)."""
+    return {call.ex.executor_id for call in latest(calls) if now < plan_at(call, clock, lead_s)}
+
+
+def next_burst_plan(calls: list[Call], now: float, clock: DecodeClock, lead_s: float) -> float:
+    """The earliest time after ``now`` a burst's next step is due to be planned (0.0: none)."""
+    return min((t for t in (plan_at(c, clock, lead_s) for c in latest(calls)) if now < t < NEVER), default=0.0)
