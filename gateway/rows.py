@@ -48,7 +48,7 @@ class RowBuilder:
             unknown = seq.num_computed - len(seq.tokens)
             row.burst = max(0, unknown - seq.placeholders)
             seq.placeholders += row.burst
-            ahead = unknown - row.burst  # tokens steps in flight sample before this row's first
+            ahead = max(0, unknown - row.burst)  # tokens steps in flight sample before this row's first
             if unknown > 0:  # this row's: a fed one (the last of those in flight) and its burst's
                 row.token_ids.extend([wire.PLACEHOLDER] * (seq.num_computed - max(p.start, len(seq.tokens))))
             spec = req.spec
@@ -77,7 +77,7 @@ class RowBuilder:
         if spec.processed:
             row.bias = logit_bias_for(spec, num_output, eos_ids)
         seq.sampling += 1
-        # A burst's next step is planned near its end (gateway.engine: hold), fed its last sample.
+        # A burst's next step is planned near its end (gateway.inflight), fed its last sample.
         seq.feed_ahead = self.plan_ahead and row.num_samples == 1 and \
             _may_continue(seq, num_output + 1 + row.burst, max_model_len)
 
