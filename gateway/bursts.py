@@ -109,8 +109,13 @@ def may_cut(burst_rows: list, rows: list, preempted: set[int]) -> bool:
     are already moving), and not when it feeds a sequence the burst's last
     sample (planned near the burst's end: it needs the whole burst)."""
     return any(r.burst for r in burst_rows) and any(len(r.token_ids) - r.burst > 1 for r in rows) \
-        and not any(r.seq.seq_id in preempted for r in burst_rows) \
-        and not any(r.token_ids and r.token_ids[0] == PLACEHOLDER for r in rows)
+        and not any(r.seq.seq_id in preempted for r in burst_rows) and not fed_by_burst(burst_rows, rows)
+
+
+def fed_by_burst(burst_rows: list, rows: list) -> bool:
+    """Whether a step (``rows``) feeds sequences the last samples of a burst
+    (``burst_rows``) that still runs: planned near the burst's end."""
+    return any(r.burst for r in burst_rows) and any(r.token_ids and r.token_ids[0] == PLACEHOLDER for r in rows)
 
 
 def room(seq: Seq, fed: int, max_model_len: int) -> int:

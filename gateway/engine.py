@@ -26,7 +26,7 @@ from kvpager.telemetry import get_logger
 from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
 from gateway import failures, metrics, wire
 from gateway.beam import BeamSearch
-from gateway.bursts import may_cut
+from gateway.bursts import fed_by_burst, may_cut
 from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
 from gateway.engine_config import EngineConfig
@@ -283,6 +283,7 @@ class Engine:
             # The step running on this executor, whose samples fill this one's placeholders (a burst: cut short).
             prev = next((c for c in reversed(self._inflight) if c.ex is ex), None)
             cut = prev is not None and self.config.cut_bursts and may_cut(prev.rows, rows, preempted)
+            metrics.STEPS_BEHIND_BURST.inc(prev is not None and fed_by_burst(prev.rows, rows))
             request = wire.execute_request(self._step_id, ex.incarnation, ep, rows, prev.step_id if prev else 0, cut)
             parts: list = []  # its clients get each sub-step's tokens as it ends (streamed) or with the whole
             on_part = functools.partial(self._part_came, parts) if ep.executor_id in batch.streamed else None

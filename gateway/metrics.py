@@ -116,6 +116,9 @@ SEQUENCES_READMITTED = Counter("kvpager_gateway_sequences_readmitted_total",
 ROWS_FED_AHEAD = Counter("kvpager_gateway_rows_fed_ahead_total",
                          "Decode rows sent fed with the token the executor's step before was still sampling.",
                          registry=REGISTRY)
+STEPS_BEHIND_BURST = Counter("kvpager_gateway_steps_planned_behind_burst_total",
+                             "Steps sent while a decode burst ran on their executor, fed its last samples "
+                             "(planned near its end: --burst-plan-lead-ms).", registry=REGISTRY)
 TOKENS_SAMPLED_AHEAD = Counter("kvpager_gateway_tokens_sampled_ahead_total",
                                "Tokens planned to be sampled ahead within a step (decode bursts, "
                                "--num-scheduler-steps).", registry=REGISTRY)

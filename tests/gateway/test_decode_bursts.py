@@ -387,6 +387,7 @@ async def test_a_bursts_next_one_is_planned_near_its_end(stacks, oracle):
     arriving before then still cuts it). generate's tokens; every block back."""
     bursts, _ = stacks
     p = prompts(1, seed=51)[0]
+    behind = metrics.STEPS_BEHIND_BURST._value.get()
 
     async def body():
         res = await generate(bursts.gw, p, max_tokens=24, ignore_eos=True)
@@ -395,6 +396,7 @@ async def test_a_bursts_next_one_is_planned_near_its_end(stacks, oracle):
     sent = await bursts_timed(bursts, body)
     pairs = bursts_planned_ahead(sent)
     assert pairs, sent
+    assert metrics.STEPS_BEHIND_BURST._value.get() - behind >= len(pairs)
     for first, second in pairs:
         # 4 forwards of >= 20 ms: planned one forward (the lead is at least one) before the end, not at once
         assert second[3] - first[3] >= 0.045, (first, second)
@@ -408,8 +410,10 @@ async def test_a_lead_of_zero_plans_a_bursts_next_step_after_it_returns(stacks, 
         res = await generate(bursts.gw, p, max_tokens=16, ignore_eos=True)
         assert res[0][0] == oracle.greedy(p, 16, min_new_tokens=16)
 
+    behind = metrics.STEPS_BEHIND_BURST._value.get()
     sent = await bursts_timed(bursts, body, lead_ms=0.0)
     assert any(row[2] > 1 for row in sent) and not bursts_planned_ahead(sent), sent
+    assert metrics.STEPS_BEHIND_BURST._value.get() == behind
 
 
 async def test_a_stop_in_a_burst_whose_next_one_is_planned_discards_that_one(stacks, oracle):
