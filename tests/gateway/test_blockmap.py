@@ -168,7 +168,7 @@ async def test_page_grid_counts_and_selection_match_the_memory_service(stack, br
         assert sorted(await highlighted_cells(page, "executor-0")) == sorted(seq.block_ids)
         text = await page.text_content('section[data-executor="executor-0"] .table-view')
         assert ", ".join(f"{i}→{b}" for i, b in enumerate(seq.block_ids)) in text
-        assert await page.evaluate(f"document.querySelector('tr.selected').dataset.seq") == str(seq.seq_id)
+        assert await page.evaluate("document.querySelector('tr.selected').dataset.seq") == str(seq.seq_id)
         shot = tmp_path / "blockmap.png"
         await page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 10_000

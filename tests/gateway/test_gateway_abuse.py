@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 from gateway_harness import start_stack
 
-from kvpager.v1 import common_pb2, executor_pb2, executor_pb2_grpc, gateway_pb2, gateway_pb2_grpc, memory_pb2
+from kvpager.v1 import common_pb2, executor_pb2_grpc, gateway_pb2, gateway_pb2_grpc, memory_pb2
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 S = grpc.StatusCode
