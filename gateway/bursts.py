@@ -16,7 +16,7 @@ the forward it is in and runs the prefill next; the burst's rows get the
 tokens it sampled, and the next Step gives the memory service back the
 slots it did not compute (``Changes.cut``). Bursts only run while nothing
 waits to prefill. With plan-ahead a burst's next step is planned near its
-end (``--burst-plan-lead-ms``; gateway.engine), fed its last sample: that
+end (``--burst-plan-lead-ms``; gateway.inflight), fed its last sample: that
 step never cuts it.
 
 A row samples ahead only when every token of the burst samples the same way

@@ -32,7 +32,7 @@ class EngineConfig:
     # A step planned while a burst runs on its executor (a request arrived) cuts that burst short.
     cut_bursts: bool = True
     # With plan_ahead, a burst's next step is planned this long (at least one forward) before the
-    # burst should end (gateway.engine, _bursts_running); 0: after the burst returns.
+    # burst should end (gateway.inflight.bursts_running); 0: after the burst returns.
     burst_plan_lead_ms: float = 6.0
     caps: RequestCaps = field(default_factory=RequestCaps)  # what one request may ask (docs/security.md)
     # Streams that outlive a lost memory service or executor (gateway/recovery.py).
