@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sliding-window layers, else per-layer")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (no decode CUDA graphs; faster start, slower small batches)")
+    p.add_argument("--no-cpu-bind", action="store_true",
+                   help="CPU: leave the step's OpenMP threads unbound (by default, while a step uses every core "
+                        "this process may run on, its threads are bound one per core; never when OMP_PROC_BIND, "
+                        "OMP_PLACES, GOMP_CPU_AFFINITY or KMP_AFFINITY is set)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=256,
                    help="CUDA: decode batches up to this many sequences replay a captured graph (sizes 1, 2, 4, "
                         "8, 16, ... to this); larger ones run eagerly")
@@ -88,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         kv_layout=args.kv_layout,
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
+        cpu_bind=not args.no_cpu_bind,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         grace_s=args.grace_s,
         tls=security.server_tls(),

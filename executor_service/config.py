@@ -47,6 +47,8 @@ class ExecutorConfig:
     kv_layout: str = "per-layer"            # per-layer | hybrid (a table per KV group) | auto (the CLI's default:
                                             # hybrid for sliding-window models); executor_service.kv_layout
     enforce_eager: bool = False             # CUDA: no decode graphs (executor_service.cuda_graphs)
+    cpu_bind: bool = False                  # CPU: bind the step's threads one per core (executor_service.cpu);
+                                            # the CLI turns it on, an in-process caller's threads are its own
     cuda_graph_max_batch: int = 256         # CUDA: the largest decode batch captured as a graph
     grace_s: float = 5.0                    # graceful-stop window
     register_backoff_max_s: float = 5.0     # registration retry ceiling

@@ -24,7 +24,8 @@ from executor_service.costs import CostMeter
 from executor_service.cuda_graphs import capture_decode_graphs
 from executor_service.history import TokenHistories
 from executor_service.placeholders import LastSamples
-from executor_service.cpu import ThreadTuner, keep_freed_memory, thread_candidates
+from executor_service.cpu import (CoreBinding, ThreadTuner, allowed_cores, bind_team_op, keep_freed_memory,
+                                  thread_candidates)
 from executor_service.greedy import greedy_only, greedy_tokens
 from executor_service.kv_layout import make_layout, pool_tokens
 from executor_service.kv_pool import GIB, KvPool, block_bytes, num_blocks_for_bytes
@@ -96,8 +97,10 @@ class Executor:
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
         keep_freed_memory()
-        self.threads = ThreadTuner(thread_candidates() if resolve_device(config.device).type == "cpu"
-                                   else (torch.get_num_threads(),))
+        on_cpu = resolve_device(config.device).type == "cpu"
+        self.threads = ThreadTuner(thread_candidates() if on_cpu else (torch.get_num_threads(),))
+        bind = on_cpu and config.cpu_bind
+        self.cores = CoreBinding(allowed_cores(), bind, bind_team_op() if bind else None)
         # Load on one OpenMP thread. Servers build the executor on a loader
         # thread and run steps on another; had both started a team of OpenMP
         # workers, libgomp would manage more threads than there are cores and
@@ -341,8 +344,7 @@ class Executor:
         n = len(step.seq_ids)
         num_tokens = len(step.token_ids)
         threads = self.threads.choose(num_tokens)
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        self.cores.use(threads)
         sampling = step.sampling
         if num_tokens:
             batch = build_forward_batch(step, resolved, self.device, [resolved, *extra] if extra else None)
@@ -376,6 +378,7 @@ class Executor:
         labels = (self.executor_id,)
         metrics.STEPS.labels(*labels).inc()
         metrics.STEP_THREADS.labels(self.executor_id, str(threads)).inc()
+        metrics.THREADS_BOUND.labels(self.executor_id).set(self.cores.bound)
         metrics.TOKENS_COMPUTED.labels(*labels).inc(num_tokens)
         metrics.TOKENS_SAMPLED.labels(*labels).inc(len(token_ids))
         metrics.FORWARD_SECONDS.labels(*labels).observe(t2 - t1)

@@ -30,6 +30,9 @@ POOL_BLOCKS = Gauge("kvpager_executor_pool_blocks", "Blocks in the KV pools.", [
 STEP_THREADS = Counter(
     "kvpager_executor_step_threads_total", "Steps run, by the intra-op thread count the CPU tuner chose for them.",
     ["executor_id", "threads"], registry=REG)
+THREADS_BOUND = Gauge(
+    "kvpager_executor_step_threads_bound", "1 while the CPU step threads run bound one per core "
+    "(executor_service.cpu.CoreBinding), else 0.", ["executor_id"], registry=REG)
 BURSTS_CUT = Counter("kvpager_executor_bursts_cut_total",
                      "Decode bursts cut short because a step was waiting behind them.", ["executor_id"], registry=REG)
 FAILED_STEPS = Counter("kvpager_executor_failed_steps_total", "Steps that failed after validation.", ["executor_id", "reason"], registry=REG)

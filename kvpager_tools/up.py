@@ -50,8 +50,10 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
 
 
 def executor_flags(args: argparse.Namespace) -> list[str]:
-    """The executors' CUDA-graph flags, when given (the executor's defaults otherwise)."""
+    """The executors' CUDA-graph and CPU-binding flags, when given (the executor's defaults otherwise)."""
     out = ["--enforce-eager"] if args.enforce_eager else []
+    if args.no_cpu_bind:
+        out.append("--no-cpu-bind")
     if args.cuda_graph_max_batch is not None:
         out += ["--cuda-graph-max-batch", str(args.cuda_graph_max_batch)]
     return out
@@ -86,6 +88,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="CUDA executors: no decode CUDA graphs (faster start, slower small batches)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=None,
                    help="CUDA executors: the largest decode batch replayed as a graph (executor default 256)")
+    p.add_argument("--no-cpu-bind", action="store_true",
+                   help="CPU executors: leave the step's OpenMP threads unbound (by default bound one per core "
+                        "while a step uses every core)")
     p.add_argument("--log-dir", default=None, help="child logs (default: a fresh temp dir)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-timeout-s", type=float, default=180.0)

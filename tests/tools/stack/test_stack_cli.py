@@ -312,6 +312,21 @@ def test_up_passes_the_executors_cuda_graph_flags_when_given():
     assert not [a for a in plain[1].argv if "eager" in a or "cuda-graph" in a]
 
 
+def test_up_passes_no_cpu_bind_to_every_executor():
+    import argparse
+
+    from executor_service.cli import add_arguments as executor_arguments
+    from executor_service.cli import config_from_args
+
+    for given, bind in ((("--no-cpu-bind",), False), ((), True)):
+        for executor in children_for("--executors", "2", *given)[1:3]:
+            argv = executor.argv
+            assert ("--no-cpu-bind" in argv) is not bind
+            p = argparse.ArgumentParser()
+            executor_arguments(p)
+            assert config_from_args(p.parse_args(argv[argv.index("-m") + 2:])).cpu_bind is bind
+
+
 def test_up_refuses_a_policy_flag_the_service_would_refuse(capsys):
     with pytest.raises(SystemExit) as e:
         parse("up", "--preemption-mode", "sometimes")
