@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU: leave the step's OpenMP threads unbound (by default, while a step uses every core "
                         "this process may run on, its threads are bound one per core; never when OMP_PROC_BIND, "
                         "OMP_PLACES, GOMP_CPU_AFFINITY or KMP_AFFINITY is set)")
+    p.add_argument("--cpu-cores", default=None, metavar="LIST",
+                   help="run on these CPUs only (e.g. 0-3 or 0,2): several executors on one host each take a "
+                        "slice of its cores (kvpager up does this); default: every CPU the process may use")
     p.add_argument("--cuda-graph-max-batch", type=int, default=256,
                    help="CUDA: decode batches up to this many sequences replay a captured graph (sizes 1, 2, 4, "
                         "8, 16, ... to this); larger ones run eagerly")
@@ -62,6 +65,29 @@ def preflight(args: argparse.Namespace) -> None:
     check_model_dir(args.model, supported=SUPPORTED_MODEL_TYPES)
     check_port_free(args.host, args.port, flag="--port")
     check_port_free(args.metrics_host, args.metrics_port, flag="--metrics-port")
+    cpu_cores(args)
+
+
+def cpu_cores(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """``--cpu-cores``, parsed and checked against the CPUs this process may use.
+
+    Raises:
+        UsageError: a list that does not parse or names a CPU outside that set.
+    """
+    if args.cpu_cores is None:
+        return None
+    from executor_service.cpu import allowed_cores, parse_cores
+    from kvpager.preflight import UsageError
+
+    try:
+        cores = parse_cores(args.cpu_cores)
+    except ValueError as exc:
+        raise UsageError(f"--cpu-cores {exc}") from None
+    outside = sorted(set(cores) - set(allowed_cores()))
+    if outside:
+        raise UsageError(f"--cpu-cores {args.cpu_cores}: CPU {outside} not among those this process may use "
+                         f"({list(allowed_cores())})")
+    return cores
 
 
 def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
@@ -123,6 +149,14 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as exc:  # a wrong model path, a port in use, a TLS cert without its key ...
         return report("kvpager executor", exc)
+    cores = cpu_cores(args)
+    if cores is not None:  # before the model loads and any OpenMP or gRPC thread starts: they inherit it
+        from executor_service.cpu import restrict_to_cores
+
+        from kvpager.telemetry import get_logger
+
+        restrict_to_cores(cores)
+        get_logger(__name__).info("executor runs on its own CPUs", cpus=list(cores))
 
     async def serve() -> int:
         from executor_service.service import start_executor_server

@@ -49,6 +49,30 @@ def allowed_cores() -> tuple[int, ...]:
         return tuple(range(os.cpu_count() or 1))
 
 
+def parse_cores(text: str) -> tuple[int, ...]:
+    """``"0-3,6"`` -> (0, 1, 2, 3, 6), sorted, each once. Raises ValueError on anything else."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{text!r}: expected CPU numbers and ranges, e.g. 0-3,6")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"{text!r}: range {part.strip()} runs backwards")
+        cores.update(range(first, last + 1))
+    return tuple(sorted(cores))
+
+
+def restrict_to_cores(cores: tuple[int, ...]) -> None:
+    """Limit this whole process to ``cores``: every thread it has now, and (inherited) every
+    thread it starts later; ``allowed_cores`` answers them from then on."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
 def thread_candidates() -> tuple[int, ...]:
     """Intra-op thread counts a CPU executor chooses between, the preferred
     first: every core this process may run on, then one fewer (left to the

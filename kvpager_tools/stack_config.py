@@ -221,6 +221,7 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
         "memory", "--host", host, "--port", str(config.memory_port), *flags, *blockmap, *redis),
         memory_address, port))
     executor_env = cpu_executor_env(config)
+    slices = cpu_executor_cores(config)
     for i in range(config.num_executors):
         flags, port = metrics(2 + i)
         exec_port = config.executor_base_port + i
@@ -228,12 +229,13 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
         pool = (["--num-blocks", str(config.num_blocks)] if config.num_blocks is not None else
                 ["--kv-cache-gib", str(config.kv_cache_gib)] if config.kv_cache_gib is not None else [])
         swap = ["--swap-blocks", str(config.swap_blocks)] if config.swap_blocks is not None else []
+        own = ["--cpu-cores", slices[i]] if slices else []
         children.append(ChildSpec(f"executor-{i}", "executor", kvpager(
             "executor", "--model", config.model, "--executor-id", f"executor-{i}",
             "--host", host, "--port", str(exec_port), *advertise, *flags, "--memory-address", memory_address,
             "--block-size", str(config.block_size), *pool, *swap, "--dtype", config.dtype,
             "--device", config.device, "--attention-backend", config.attention_backend,
-            "--model-impl", config.model_impl,
+            "--model-impl", config.model_impl, *own,
         ), _join(near, exec_port), port, dict(executor_env)))
     flags, port = metrics(1)
     http = ["--http-port", str(config.http_port)] if config.http_port is not None else ["--no-http"]
@@ -244,6 +246,28 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
         "--grace-s", f"{config.drain_timeout_s:g}",
     ), _join(near, config.gateway_port), port))
     return children
+
+
+def cpu_executor_cores(config: StackConfig, allowed: tuple[int, ...] | None = None) -> list[str] | None:
+    """Several CPU executors on one host, with as many cores or more: executor
+    i's own slice of them (``--cpu-cores``), ``len(allowed) // N`` each; the
+    remainder stays free for the control plane. None (all share every core)
+    for one executor, a GPU, fewer cores than executors, or an
+    OMP_NUM_THREADS of the user's (their thread count would not match a
+    slice). Each executor's threads then stay on its slice: two executors'
+    teams never meet on one core (a lone request after idle found its two
+    threads on one core even within one executor: executor_service.cpu)."""
+    if config.device != "cpu" or config.num_executors <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    if allowed is None:
+        try:
+            allowed = tuple(sorted(os.sched_getaffinity(0)))
+        except AttributeError:  # not Linux
+            return None
+    each = len(allowed) // config.num_executors
+    if each < 1:
+        return None
+    return [",".join(str(c) for c in allowed[i * each:(i + 1) * each]) for i in range(config.num_executors)]
 
 
 def cpu_executor_env(config: StackConfig, cores: int | None = None) -> dict[str, str]:

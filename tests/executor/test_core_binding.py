@@ -221,3 +221,59 @@ def test_the_executor_binds_its_step_threads_as_configured(checkpoints, flags, e
         assert out["step_thread"] == out["cores"][:1] and out["gauge"] == 1.0
     else:
         assert out["step_thread"] == out["cores"] and out["gauge"] == 0.0
+
+
+@pytest.mark.parametrize("text, cores", [("0", (0,)), ("0-3", (0, 1, 2, 3)), ("3,1-2,1", (1, 2, 3)),
+                                         (" 2 , 5-6", (2, 5, 6))])
+def test_cpu_lists_parse(text, cores):
+    from executor_service.cpu import parse_cores
+
+    assert parse_cores(text) == cores
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-", "-1", "3-1", "1,,2", "0x1"])
+def test_a_bad_cpu_list_is_refused(text):
+    from executor_service.cpu import parse_cores
+
+    with pytest.raises(ValueError):
+        parse_cores(text)
+
+
+def test_the_executor_refuses_cpus_it_may_not_use(tmp_path, checkpoints):
+    import argparse
+
+    from executor_service.cli import add_arguments, cpu_cores
+    from kvpager.preflight import UsageError
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for bad, says in (("1-", "e.g. 0-3"), ("100000", "not among those this process may use")):
+        with pytest.raises(UsageError, match="--cpu-cores") as e:
+            cpu_cores(p.parse_args(["--model", str(tmp_path), "--cpu-cores", bad]))
+        assert says in str(e.value)
+    first = min(os.sched_getaffinity(0))
+    assert cpu_cores(p.parse_args(["--model", str(tmp_path), "--cpu-cores", str(first)])) == (first,)
+    # The whole CLI: exit 2 and one line, before any model loads.
+    proc = subprocess.run([sys.executable, "-m", "executor_service", "--model", checkpoints("llama_gqa"),
+                           "--cpu-cores", "9999"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--cpu-cores 9999" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="needs two CPUs")
+def test_restricting_the_process_reaches_every_thread_now_and_later():
+    out = run_python("""
+        import json, os, threading, time
+        from executor_service.cpu import allowed_cores, restrict_to_cores
+        stop = threading.Event()
+        early = threading.Thread(target=stop.wait); early.start()   # a thread started before
+        first = allowed_cores()[0]
+        restrict_to_cores((first,))
+        seen = {}
+        late = threading.Thread(target=lambda: seen.update(late=sorted(os.sched_getaffinity(0)))); late.start(); late.join()
+        every = {t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+        stop.set(); early.join()
+        print(json.dumps({"first": first, "every": every, "late": seen["late"], "allowed": list(allowed_cores())}))
+    """)
+    first = out["first"]
+    assert len(out["every"]) >= 2 and all(cpus == [first] for cpus in out["every"].values())
+    assert out["late"] == [first] and out["allowed"] == [first]

@@ -13,6 +13,7 @@ import pytest
 
 from kvpager_tools.cli import build_parser
 from kvpager_tools.stack import Stack, StackConfig, StackError, build_children
+from kvpager_tools.stack_config import cpu_executor_cores
 from kvpager_tools.up import config_from_args
 
 PY = "PY"  # stands in for sys.executable in the expected command lines
@@ -32,6 +33,7 @@ def test_up_two_executors_exact_command_lines():
     children = children_for("--executors", "2", "--redis-url", "redis://cache:6379/0", "--num-blocks", "64",
                             "--swap-blocks", "8", "--metrics-base-port", "9100", "--block-size", "32")
     assert [c.name for c in children] == ["memory", "executor-0", "executor-1", "gateway"]
+    slices = cpu_executor_cores(config_from_args(parse("up", "--executors", "2")))  # this machine's cores, halved
     # each child runs its service's own entry point (python -m <service>)
     assert children[0].argv == [PY, "-m", "memory_service", "--host", "127.0.0.1", "--port", "50051",
                                 "--metrics-port", "9100", "--http-port", "8001", "--redis-url", "redis://cache:6379/0",
@@ -42,7 +44,7 @@ def test_up_two_executors_exact_command_lines():
             "--host", "127.0.0.1", "--port", str(50060 + i), "--metrics-port", str(9102 + i),
             "--memory-address", "127.0.0.1:50051", "--block-size", "32", "--num-blocks", "64",
             "--swap-blocks", "8", "--dtype", "auto", "--device", "cpu", "--attention-backend", "auto",
-            "--model-impl", "auto", "--log-level", "INFO"]
+            "--model-impl", "auto", *(["--cpu-cores", slices[i]] if slices else []), "--log-level", "INFO"]
     assert children[3].argv == [PY, "-m", "gateway", "--host", "127.0.0.1", "--port", "50050",
                                 "--metrics-port", "9101", "--memory-address", "127.0.0.1:50051",
                                 "--model", "/models/m", "--http-port", "8000", "--redis-url", "redis://cache:6379/0",
@@ -267,6 +269,34 @@ def test_cpu_executors_split_the_cores(monkeypatch):
     assert all(("OMP_NUM_THREADS" in c.env) == (c.role == "executor") for c in children)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
     assert cpu_executor_env(cfg, cores=16) == {}
+
+
+def test_cpu_executors_each_get_their_own_cores(monkeypatch):
+    import argparse
+
+    from executor_service.cli import add_arguments as executor_arguments
+    from executor_service.cli import cpu_cores
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    two, three = (config_from_args(parse("up", "--executors", n)) for n in ("2", "3"))
+    assert cpu_executor_cores(two, allowed=(0, 1, 2, 3)) == ["0,1", "2,3"]
+    assert cpu_executor_cores(three, allowed=(0, 1, 2, 3)) == ["0", "1", "2"]  # core 3 left to the control plane
+    assert cpu_executor_cores(two, allowed=(4, 6, 9)) == ["4", "6"]
+    assert cpu_executor_cores(config_from_args(parse("up", "--executors", "4")), allowed=(0, 1)) is None  # too few
+    assert cpu_executor_cores(config_from_args(parse("up")), allowed=(0, 1)) is None  # one executor: every core
+    assert cpu_executor_cores(config_from_args(parse("up", "--executors", "2", "--device", "cuda")),
+                              allowed=(0, 1)) is None
+    # The command lines carry this machine's slices, and each executor accepts its own.
+    two.model, two.python = "/models/m", PY
+    slices = cpu_executor_cores(two)
+    for i, child in enumerate(build_children(two)[1:3]):
+        p = argparse.ArgumentParser()
+        executor_arguments(p)
+        args = p.parse_args(child.argv[child.argv.index("-m") + 2:])
+        assert args.cpu_cores == (slices[i] if slices else None)
+        assert cpu_cores(args) == (tuple(int(c) for c in slices[i].split(",")) if slices else None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's thread count: no slices it would not match
+    assert cpu_executor_cores(two, allowed=(0, 1, 2, 3)) is None
 
 
 def test_up_passes_tenant_and_memory_policy_flags_when_given():
