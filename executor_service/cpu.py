@@ -4,6 +4,7 @@ which core each of the step's threads runs on."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -133,12 +134,16 @@ class CoreBinding:
         if threads != current:
             torch.set_num_threads(threads)
         if self.enabled and threads == len(self.cores) and not self.bound:
-            errors = self._bind(threads, list(self.cores), True)
+            try:
+                errors = list(self._bind(threads, list(self.cores), True))
+            except RuntimeError as exc:  # a CPU number the op cannot express (past CPU_SETSIZE)
+                errors = [str(exc)]
             if any(errors):
-                self._bind(threads, list(self.cores), False)
                 self.enabled = False
                 log.warning("could not bind the step threads to cores; they run unbound", cores=list(self.cores),
-                            errors=list(errors))
+                            errors=errors)
+                with contextlib.suppress(RuntimeError):
+                    self._bind(threads, list(self.cores), False)
             else:
                 self._bound_on = threading.get_native_id()
 

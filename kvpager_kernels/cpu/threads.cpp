@@ -17,8 +17,11 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#if defined(__linux__)
 #include <sched.h>
+#endif
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <vector>
@@ -34,9 +37,10 @@ std::vector<int64_t> bind_team(int64_t threads, std::vector<int64_t> cpus, bool 
   TORCH_CHECK(threads >= 1, "bind_team: threads must be >= 1, got ", threads);
   TORCH_CHECK(!cpus.empty(), "bind_team: no CPUs given");
   for (int64_t c : cpus) {
-    TORCH_CHECK(c >= 0 && c < CPU_SETSIZE, "bind_team: CPU ", c, " out of range");
+    TORCH_CHECK(c >= 0 && c < 1024, "bind_team: CPU ", c, " out of range");  // CPU_SETSIZE on glibc
   }
   std::vector<int64_t> result(threads, -1);
+#if defined(__linux__)
 #pragma omp parallel num_threads(static_cast<int>(threads))
   {
     const int t = omp_get_thread_num();
@@ -49,6 +53,9 @@ std::vector<int64_t> bind_team(int64_t threads, std::vector<int64_t> cpus, bool 
     }
     if (t < threads) result[t] = sched_setaffinity(0, sizeof(set), &set) == 0 ? 0 : errno;
   }
+#else  // no per-thread affinity call: every thread reports it (the executor then stays unbound)
+  std::fill(result.begin(), result.end(), static_cast<int64_t>(ENOSYS));
+#endif
   return result;
 }
 

@@ -26,12 +26,14 @@ TWO_CORES = len(os.sched_getaffinity(0)) >= 2
 class Recorder:
     """A bind function that records its calls (the policy under test decides when to call it)."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, raises: bool = False) -> None:
         self.calls: list[tuple[int, tuple[int, ...], bool]] = []
-        self.fail = fail
+        self.fail, self.raises = fail, raises
 
     def __call__(self, threads: int, cpus: list[int], spread: bool) -> list[int]:
         self.calls.append((threads, tuple(cpus), spread))
+        if self.raises:  # as the op does for a CPU number past CPU_SETSIZE
+            raise RuntimeError("bind_team: CPU 5000 out of range")
         return [22 if self.fail and spread else 0] * threads
 
 
@@ -107,8 +109,9 @@ def test_nothing_is_bound_unless_the_team_spans_the_cores_and_nobody_else_places
     assert rec.calls == []
 
 
-def test_a_refused_binding_frees_the_team_and_is_not_tried_again():
-    rec = Recorder(fail=True)
+@pytest.mark.parametrize("how", ["errno", "raises"])
+def test_a_refused_binding_frees_the_team_and_is_not_tried_again(how):
+    rec = Recorder(fail=how == "errno", raises=how == "raises")
     binding = CoreBinding((0, 1), True, rec)
 
     def steps():
