@@ -50,6 +50,9 @@ def allowed_cores() -> tuple[int, ...]:
         return tuple(range(os.cpu_count() or 1))
 
 
+MAX_CPU = 1 << 16  # a CPU list names none at or past this (no machine has them; a typo must not expand)
+
+
 def parse_cores(text: str) -> tuple[int, ...]:
     """``"0-3,6"`` -> (0, 1, 2, 3, 6), sorted, each once. Raises ValueError on anything else."""
     cores: set[int] = set()
@@ -60,6 +63,8 @@ def parse_cores(text: str) -> tuple[int, ...]:
         first, last = int(lo), int(hi) if sep else int(lo)
         if last < first:
             raise ValueError(f"{text!r}: range {part.strip()} runs backwards")
+        if last >= MAX_CPU:
+            raise ValueError(f"{text!r}: CPU {last} is past {MAX_CPU - 1}")
         cores.update(range(first, last + 1))
     return tuple(sorted(cores))
 
