@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from executor_service.config import BACKENDS, DTYPES, KV_LAYOUTS, MODEL_IMPLS, ExecutorConfig
 
@@ -79,6 +80,8 @@ def cpu_cores(args: argparse.Namespace) -> tuple[int, ...] | None:
     from executor_service.cpu import allowed_cores, parse_cores
     from kvpager.preflight import UsageError
 
+    if not hasattr(os, "sched_setaffinity"):
+        raise UsageError("--cpu-cores: this platform has no per-process CPU affinity (Linux only)")
     try:
         cores = parse_cores(args.cpu_cores)
     except ValueError as exc:
@@ -152,7 +155,6 @@ def run(args: argparse.Namespace) -> int:
     cores = cpu_cores(args)
     if cores is not None:  # before the model loads and any OpenMP or gRPC thread starts: they inherit it
         from executor_service.cpu import restrict_to_cores
-
         from kvpager.telemetry import get_logger
 
         restrict_to_cores(cores)

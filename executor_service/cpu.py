@@ -107,9 +107,10 @@ class CoreBinding:
     An executor idles between requests, and a lone request that wakes it
     often ran its two threads no faster than one (likely: Linux places the
     woken OpenMP worker on the waker's core, and the two share it until the
-    load balancer moves one). Measured on the 2-core EPYC (30M Llama, bf16, a lone 149-token
-    prefill every 0.5 s, two stacks alternated): unbound, 9 of 24 forwards
-    took 16-35 ms where the rest took 10-13; bound, all 24 took 10.2-13.1.
+    load balancer moves one). Measured on the 2-core EPYC (30M Llama, bf16,
+    a lone 149-token prefill every 0.5 s, two stacks alternated): unbound,
+    9 of 24 forwards took 16-35 ms where the rest took 10-13; bound, all 24
+    took 10.2-13.1.
     A team on fewer cores (the thread tuner's answer to other load) is
     unbound again, so the system can move it off a busy core. Nothing is
     bound when the user places OpenMP threads themselves (``AFFINITY_ENV``),

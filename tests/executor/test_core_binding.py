@@ -280,3 +280,17 @@ def test_restricting_the_process_reaches_every_thread_now_and_later():
     first = out["first"]
     assert len(out["every"]) >= 2 and all(cpus == [first] for cpus in out["every"].values())
     assert out["late"] == [first] and out["allowed"] == [first]
+
+
+def test_cpu_cores_where_there_is_no_affinity_call_is_a_usage_error(tmp_path, monkeypatch):
+    import argparse
+
+    from executor_service.cli import add_arguments, cpu_cores
+    from kvpager.preflight import UsageError
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", str(tmp_path), "--cpu-cores", "0"])
+    monkeypatch.delattr(os, "sched_setaffinity")  # as on macOS
+    with pytest.raises(UsageError, match="Linux only"):
+        cpu_cores(args)
