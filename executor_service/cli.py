@@ -54,11 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_security_arguments(p, server=True, client=True, admin_token=True)
 
 
-def preflight(args: argparse.Namespace) -> None:
-    """What would fail later with a library traceback, checked now.
+def preflight(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """What would fail later with a library traceback, checked now; returns
+    ``--cpu-cores`` parsed (None: every CPU).
 
     Raises:
-        UsageError: a model directory that cannot load, a port in use; the message names the flag.
+        UsageError: a model directory that cannot load, a port in use, a CPU list
+            it may not use; the message names the flag.
     """
     from executor_service.model_runner import SUPPORTED_MODEL_TYPES
     from kvpager.preflight import check_model_dir, check_port_free
@@ -66,7 +68,7 @@ def preflight(args: argparse.Namespace) -> None:
     check_model_dir(args.model, supported=SUPPORTED_MODEL_TYPES)
     check_port_free(args.host, args.port, flag="--port")
     check_port_free(args.metrics_host, args.metrics_port, flag="--metrics-port")
-    cpu_cores(args)
+    return cpu_cores(args)
 
 
 def cpu_cores(args: argparse.Namespace) -> tuple[int, ...] | None:
@@ -148,11 +150,10 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging("executor", level=args.log_level, log_format=args.log_format)
     try:
-        preflight(args)
+        cores = preflight(args)
         config = config_from_args(args)
     except ValueError as exc:  # a wrong model path, a port in use, a TLS cert without its key ...
         return report("kvpager executor", exc)
-    cores = cpu_cores(args)
     if cores is not None:  # before the model loads and any OpenMP or gRPC thread starts: they inherit it
         from executor_service.cpu import restrict_to_cores
         from kvpager.telemetry import get_logger

@@ -248,6 +248,19 @@ def build_children(config: StackConfig) -> list[ChildSpec]:
     return children
 
 
+def _splits_cpus(config: StackConfig) -> bool:
+    """Several CPU executors whose thread counts the stack chooses (not the user's OMP_NUM_THREADS)."""
+    return config.device == "cpu" and config.num_executors > 1 and not os.environ.get("OMP_NUM_THREADS")
+
+
+def _host_cpus() -> tuple[int, ...] | None:
+    """The CPUs this process may run on, in order (None off Linux: no affinity there)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:
+        return None
+
+
 def cpu_executor_cores(config: StackConfig, allowed: tuple[int, ...] | None = None) -> list[str] | None:
     """Several CPU executors on one host, with as many cores or more: executor
     i's own slice of them (``--cpu-cores``), ``len(allowed) // N`` each; the
@@ -257,13 +270,8 @@ def cpu_executor_cores(config: StackConfig, allowed: tuple[int, ...] | None = No
     slice). Each executor's threads then stay on its slice: two executors'
     teams never meet on one core (a lone request after idle found its two
     threads on one core even within one executor: executor_service.cpu)."""
-    if config.device != "cpu" or config.num_executors <= 1 or os.environ.get("OMP_NUM_THREADS"):
+    if not _splits_cpus(config) or (allowed := allowed or _host_cpus()) is None:
         return None
-    if allowed is None:
-        try:
-            allowed = tuple(sorted(os.sched_getaffinity(0)))
-        except AttributeError:  # not Linux
-            return None
     each = len(allowed) // config.num_executors
     if each < 1:
         return None
@@ -275,13 +283,11 @@ def cpu_executor_env(config: StackConfig, cores: int | None = None) -> dict[str,
     as OMP_NUM_THREADS (unless the user set one). Left alone, every executor
     runs an OpenMP team as wide as the machine and their spinning threads
     displace each other (4 executors on 2 cores: 8 spinning threads)."""
-    if config.device != "cpu" or config.num_executors <= 1 or os.environ.get("OMP_NUM_THREADS"):
+    if not _splits_cpus(config):
         return {}
     if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or 1
+        host = _host_cpus()
+        cores = len(host) if host is not None else (os.cpu_count() or 1)
     return {"OMP_NUM_THREADS": str(max(1, cores // config.num_executors))}
 
 
