@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU: leave the step's OpenMP threads unbound (by default, while a step uses every core "
                         "this process may run on, its threads are bound one per core; never when OMP_PROC_BIND, "
                         "OMP_PLACES, GOMP_CPU_AFFINITY or KMP_AFFINITY is set)")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="CPU: keep the KV pool on 4 KiB pages (by default its memory is advised for transparent "
+                        "huge pages; the kernel's THP setting decides whether it gets them)")
     p.add_argument("--cpu-cores", default=None, metavar="LIST",
                    help="run on these CPUs only (e.g. 0-3 or 0,2): several executors on one host each take a "
                         "slice of its cores (kvpager up does this); default: every CPU the process may use")
@@ -124,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         cpu_bind=not args.no_cpu_bind,
+        huge_pages=not args.no_huge_pages,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
         grace_s=args.grace_s,
         tls=security.server_tls(),

@@ -49,6 +49,7 @@ class ExecutorConfig:
     enforce_eager: bool = False             # CUDA: no decode graphs (executor_service.cuda_graphs)
     cpu_bind: bool = False                  # CPU: bind the step's threads one per core (executor_service.cpu);
                                             # the CLI turns it on, an in-process caller's threads are its own
+    huge_pages: bool = True                 # CPU: the KV pool on transparent huge pages (executor_service.huge_pages)
     cuda_graph_max_batch: int = 256         # CUDA: the largest decode batch captured as a graph
     grace_s: float = 5.0                    # graceful-stop window
     register_backoff_max_s: float = 5.0     # registration retry ceiling

@@ -148,6 +148,7 @@ class Executor:
                 dtype=self.runner.dtype,
                 device=self.device,
                 backend=self.backend,
+                huge_pages=config.huge_pages,
             )
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
             raise ResourceExhausted(f"cannot allocate a KV pool of {num_blocks} blocks: {exc}") from exc
@@ -194,6 +195,7 @@ class Executor:
         metrics.CUDA_GRAPHS.labels(*labels).set(len(self.graphs.sizes) if self.graphs else 0)
         metrics.POOL_BYTES.labels(*labels, "device").set(self.pool.kv_pool_bytes)
         metrics.POOL_BYTES.labels(*labels, "swap").set(self.pool.swap_pool_bytes)
+        metrics.POOL_HUGE_BYTES.labels(*labels).set(self.pool.kv_pool_huge_bytes())
         metrics.POOL_BLOCKS.labels(*labels, "device").set(num_blocks)
         metrics.POOL_BLOCKS.labels(*labels, "swap").set(num_swap)
 

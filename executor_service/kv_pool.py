@@ -9,6 +9,8 @@ Vocabulary (the memory service owns the *numbers*, this module the *bytes*):
           a block are contiguous (4 KiB at 16 tokens x 64 dims in fp32), so
           decode attention streams them whole instead of every other 256
           bytes (``head_major``). Every kernel takes the caches by strides.
+          On CPU it is advised for transparent huge pages (``huge_pages``):
+          the walk over a scattered table took a page walk per block.
   swap    the same shape and storage with ``num_swap_blocks`` blocks, in CPU
           memory (pinned when CUDA is available, so swaps are DMA copies).
   slot    block_id * block_size + offset, the same arithmetic everywhere.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from executor_service.attention import KernelBackend
+from executor_service.huge_pages import backed_bytes, huge_zeros
 
 GIB = 1 << 30
 
@@ -47,14 +50,18 @@ def device_pool_budget(device: torch.device, gpu_memory_fraction: float) -> int:
     return int(total * gpu_memory_fraction) - used
 
 
-def head_major(shape: tuple[int, ...], **kw) -> torch.Tensor:
+def head_major(shape: tuple[int, ...], huge: bool = False, **kw) -> torch.Tensor:
     """Zeros of logical ``shape`` [..., NB, BS, KVH, D], stored as [..., NB,
     KVH, BS, D]. With the token-major storage a kv head's rows of a block sat
     every other 256 bytes; a cold fp32 decode of the 0.5B Llama's shapes (32
     sequences, 24 layers' K/V read in turn) took 621 against 693 us a layer
-    head-major, interleaved in one process (docs/benchmarks.md); bf16 level."""
+    head-major, interleaved in one process (docs/benchmarks.md); bf16 level.
+    ``huge``: in CPU memory backed by transparent huge pages (huge_pages.py;
+    ``kw`` then takes only ``dtype``)."""
     *outer, bs, kvh, d = shape
-    return torch.zeros((*outer, kvh, bs, d), **kw).transpose(-3, -2)
+    stored = (*outer, kvh, bs, d)
+    t = huge_zeros(stored, kw["dtype"]) if huge else torch.zeros(stored, **kw)
+    return t.transpose(-3, -2)
 
 
 class KvPool:
@@ -72,6 +79,7 @@ class KvPool:
         dtype: torch.dtype,
         device: torch.device,
         backend: KernelBackend,
+        huge_pages: bool = True,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -84,8 +92,10 @@ class KvPool:
         self.backend = backend
         # Zeroed: attention gathers whole blocks and masks the tail, and a
         # masked NaN from uninitialised memory would still poison the output.
+        # In CPU memory on huge pages unless told not to: a decode walks every layer's blocks (huge_pages.py).
         self.kv = head_major(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
+            huge=huge_pages and device.type == "cpu", dtype=dtype, device=device,
         )
         pin = device.type == "cuda"
         self.swap = head_major(
@@ -99,6 +109,11 @@ class KvPool:
     @property
     def kv_pool_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    def kv_pool_huge_bytes(self) -> int:
+        """Bytes of the device pool huge pages back (0 on CUDA, or where the
+        kernel gave none: ``huge_pages.backed_bytes``)."""
+        return backed_bytes(self.kv) if self.kv.device.type == "cpu" else 0
 
     @property
     def swap_pool_bytes(self) -> int:

@@ -26,6 +26,9 @@ SAMPLE_SECONDS = Histogram(
     "kvpager_executor_sample_seconds", "Sampling time per step.", ["executor_id"], buckets=_BUCKETS
 , registry=REG)
 POOL_BYTES = Gauge("kvpager_executor_pool_bytes", "Bytes held by the KV pools.", ["executor_id", "pool"], registry=REG)
+POOL_HUGE_BYTES = Gauge(
+    "kvpager_executor_pool_huge_page_bytes", "Bytes of the device KV pool backed by transparent huge pages at "
+    "startup (CPU; executor_service.huge_pages).", ["executor_id"], registry=REG)
 POOL_BLOCKS = Gauge("kvpager_executor_pool_blocks", "Blocks in the KV pools.", ["executor_id", "pool"], registry=REG)
 STEP_THREADS = Counter(
     "kvpager_executor_step_threads_total", "Steps run, by the intra-op thread count the CPU tuner chose for them.",

@@ -50,10 +50,12 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
 
 
 def executor_flags(args: argparse.Namespace) -> list[str]:
-    """The executors' CUDA-graph and CPU-binding flags, when given (the executor's defaults otherwise)."""
+    """The executors' CUDA-graph, CPU-binding and huge-page flags, when given (the executor's defaults otherwise)."""
     out = ["--enforce-eager"] if args.enforce_eager else []
     if args.no_cpu_bind:
         out.append("--no-cpu-bind")
+    if args.no_huge_pages:
+        out.append("--no-huge-pages")
     if args.cuda_graph_max_batch is not None:
         out += ["--cuda-graph-max-batch", str(args.cuda_graph_max_batch)]
     return out
@@ -91,6 +93,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cpu-bind", action="store_true",
                    help="CPU executors: leave the step's OpenMP threads unbound (by default bound one per core "
                         "while a step uses every core)")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="CPU executors: keep the KV pool on 4 KiB pages (by default advised for transparent huge pages)")
     p.add_argument("--log-dir", default=None, help="child logs (default: a fresh temp dir)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ready-timeout-s", type=float, default=180.0)

@@ -342,19 +342,20 @@ def test_up_passes_the_executors_cuda_graph_flags_when_given():
     assert not [a for a in plain[1].argv if "eager" in a or "cuda-graph" in a]
 
 
-def test_up_passes_no_cpu_bind_to_every_executor():
+@pytest.mark.parametrize("flag, field", [("--no-cpu-bind", "cpu_bind"), ("--no-huge-pages", "huge_pages")])
+def test_up_passes_a_cpu_opt_out_to_every_executor(flag, field):
     import argparse
 
     from executor_service.cli import add_arguments as executor_arguments
     from executor_service.cli import config_from_args
 
-    for given, bind in ((("--no-cpu-bind",), False), ((), True)):
+    for given, on in (((flag,), False), ((), True)):
         for executor in children_for("--executors", "2", *given)[1:3]:
             argv = executor.argv
-            assert ("--no-cpu-bind" in argv) is not bind
+            assert (flag in argv) is not on
             p = argparse.ArgumentParser()
             executor_arguments(p)
-            assert config_from_args(p.parse_args(argv[argv.index("-m") + 2:])).cpu_bind is bind
+            assert getattr(config_from_args(p.parse_args(argv[argv.index("-m") + 2:])), field) is on
 
 
 def test_up_refuses_a_policy_flag_the_service_would_refuse(capsys):
