@@ -2,10 +2,13 @@
 //
 // The torch reference gathers every sequence's blocks into a padded
 // [S, L, KVH, D] copy per layer before attending; here each (sequence,
-// kv head, query token) walks its block table twice (scores, then values),
-// so a decode reads each cached K/V row once and copies nothing.
-// The H / KVH query heads that share a kv head are computed together: one
-// K/V row load serves the whole GQA group. In a 16-bit dtype scores and
+// query token) walks its block table twice (scores, then values), so a
+// decode reads each cached K/V row once and copies nothing. With many such
+// items every kv head of one is walked together (a block's K rows of all
+// heads are one contiguous run); with few, each (item, kv head) is a unit
+// of work of its own, so that every thread has some. The H / KVH query
+// heads that share a kv head are computed together: one K/V row load
+// serves the whole GQA group. In a 16-bit dtype scores and
 // probabilities are rounded where transformers' eager attention rounds them
 // (finish_scores, scale_round). fp32 and bf16 prefill chunks (at least
 // tile_min_query tokens) go to attention_tiles.h instead: up to 16 tokens x
@@ -381,17 +384,19 @@ inline int64_t window_start(int64_t pos, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
 }
 
-// Asks for the first blocks a query at `pos` reads of kv head `kvh` (the
-// rest are asked for as the walk goes): issued by `run` for a thread's next
-// item while it attends the current one.
+// Asks for the first blocks a query at `pos` reads of kv head `kvh` (every
+// head: kvh < 0; the rest are asked for as the walk goes): issued by `run`
+// for a thread's next item while it attends the current one.
 template <typename T>
 inline void prefetch_first_blocks(const Shape& sh, const T* k, const T* v, const int32_t* table, int64_t pos,
                                   int64_t kvh) {
   const int64_t BS = sh.block_size, first = window_start(pos, sh.window) / BS, last = pos / BS + 1;
-  for (int64_t b = first; b < std::min(last, first + prefetch_blocks()); ++b) {
-    prefetch_rows(k + static_cast<int64_t>(table[b]) * sh.k_s0 + kvh * sh.k_s2, BS, sh.k_s1, sh.head_dim);
-    prefetch_rows(v + static_cast<int64_t>(table[b]) * sh.v_s0 + kvh * sh.v_s2, BS, sh.v_s1, sh.head_dim);
-  }
+  const int64_t h0 = kvh < 0 ? 0 : kvh, h1 = kvh < 0 ? sh.num_kv_heads : kvh + 1;
+  for (int64_t b = first; b < std::min(last, first + prefetch_blocks()); ++b)
+    for (int64_t h = h0; h < h1; ++h) {
+      prefetch_rows(k + static_cast<int64_t>(table[b]) * sh.k_s0 + h * sh.k_s2, BS, sh.k_s1, sh.head_dim);
+      prefetch_rows(v + static_cast<int64_t>(table[b]) * sh.v_s0 + h * sh.v_s2, BS, sh.v_s1, sh.head_dim);
+    }
 }
 
 // x held in the model dtype T, as fp32 (fp32: x itself). c10's conversions
@@ -467,6 +472,38 @@ inline void finish_scores(float* s, int64_t n, float scale, float softcap) {
     for (int64_t j = 0; j < n; ++j) s[j] = as_t<T>(as_t<T>(std::tanh(as_t<T>(s[j] / softcap))) * softcap);
 }
 
+// qf[r * d ..] = the n query heads from `q` (rows `stride` apart) as fp32;
+// they are scaled after the product, where transformers scales.
+template <typename T>
+inline void load_queries(const T* q, int64_t stride, int64_t n, int d, float* qf) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int i = 0; i < d; ++i) qf[r * d + i] = static_cast<float>(q[r * stride + i]);
+}
+
+// Each of `rows` rows of L scores -> its softmax, rounded to T
+// (softmax(..., dtype=float32).to(T), as transformers' eager attention).
+template <typename T>
+inline void softmax_rows(float* scores, int64_t rows, int64_t L) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * L;
+    const float mx = row_max(s, L);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) {
+      s[t] = kvpager::vexp(s[t] - mx);
+      sum += s[t];
+    }
+    scale_round<T>(s, L, 1.f / sum);
+  }
+}
+
+// out rows (`stride` apart) = the n fp32 accumulators, in T.
+template <typename T>
+inline void store_outputs(const float* acc, int64_t n, int d, T* out, int64_t stride) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int i = 0; i < d; ++i) out[r * stride + i] = static_cast<T>(acc[r * d + i]);
+}
+
 // One query token of one sequence against one kv head, its GQA group of
 // query heads at once. `pos`: the query's absolute position (it sees keys
 // start..pos, start = 0 without a window; blocks before start are never
@@ -484,10 +521,7 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
   float* acc = sc.acc.data();
   float* row = sc.row.data();
   float* scores = sc.scores.data();  // [G, L]
-  for (int64_t g = 0; g < G; ++g) {
-    const T* qr = q + (kvh * G + g) * sh.q_s1;
-    for (int i = 0; i < d; ++i) qf[g * d + i] = static_cast<float>(qr[i]);  // scaled after the product
-  }
+  load_queries(q + kvh * G * sh.q_s1, sh.q_s1, G, d, qf);
   const int64_t first_block = start / BS, n_blocks = (end + BS - 1) / BS;  // the first ones asked for by run()
   for (int64_t b = first_block; b < n_blocks; ++b) {
     const int64_t blk = static_cast<int64_t>(table[b]);
@@ -516,17 +550,7 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
     }
   }
   finish_scores<T>(scores, G * L, scale, sh.softcap);
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * L;
-    const float mx = row_max(s, L);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) {
-      s[t] = kvpager::vexp(s[t] - mx);
-      sum += s[t];
-    }
-    scale_round<T>(s, L, 1.f / sum);  // softmax(..., dtype=float32).to(T)
-  }
+  softmax_rows<T>(scores, G, L);
 #ifdef KVPAGER_HAVE_SCORES16
   if constexpr (DC > 0 && DC % 16 == 0) {
     pv_all<T, DC>(scores, start, end, G, v, table, BS, sh.v_s0, sh.v_s1, kvh * sh.v_s2, acc);
@@ -544,11 +568,75 @@ void attend_one(const Shape& sh, const T* q, const T* k, const T* v, T* out, con
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    T* o = out + (kvh * G + g) * sh.o_s1;
-    for (int i = 0; i < d; ++i) o[i] = static_cast<T>(acc[g * d + i]);
-  }
+  store_outputs(acc, G, d, out + kvh * G * sh.o_s1, sh.o_s1);
 }
+
+#ifdef KVPAGER_HAVE_SCORES16
+// One query token of one sequence against every kv head: attend_one's
+// arithmetic head by head (the same bits), but the scores pass reads each
+// block's K rows of all heads in turn, one contiguous run in either pool
+// layout, and asks for the run four blocks ahead. The values pass walks V
+// head by head (pv_all). 16 sequences x 1,450 tokens of the 30M Llama's
+// shapes, fp32, blocks in random order on huge pages: 1,003-1,006 -> 874-901
+// us a layer; 32 x 200 at 24 layers 291-293 -> 255-263 (docs/benchmarks.md).
+template <typename T, int DC>
+void attend_all(const Shape& sh, const T* q, const T* k, const T* v, T* out, const int32_t* table, int64_t pos,
+                float scale, Scratch& sc) {
+  const int64_t G = sh.group, BS = sh.block_size, KVH = sh.num_kv_heads, H = sh.num_heads;
+  const int64_t start = window_start(pos, sh.window), end = pos + 1;
+  const int64_t L = end - start;  // scores[(kvh * G + g) * L + key - start]
+  sc.fit(H, DC, L);
+  float* qf = sc.q.data();
+  float* acc = sc.acc.data();
+  float* scores = sc.scores.data();  // [H, L]
+  load_queries(q, sh.q_s1, H, DC, qf);
+  // A block's rows of every kv head form one run when nothing else sits between blocks.
+  const bool run_per_block = sh.k_s0 == BS * KVH * DC;
+  const int64_t first_block = start / BS, n_blocks = (end + BS - 1) / BS;
+  for (int64_t b = first_block; b < n_blocks; ++b) {
+    const int64_t blk = static_cast<int64_t>(table[b]);
+    const int64_t n = std::min<int64_t>(BS, end - b * BS);
+    const int64_t t_lo = std::max<int64_t>(0, start - b * BS);
+    if (b + prefetch_blocks() < n_blocks) {
+      const T* ahead = k + static_cast<int64_t>(table[b + prefetch_blocks()]) * sh.k_s0;
+      if (run_per_block)
+        prefetch_rows(ahead, 1, 0, BS * KVH * DC);
+      else
+        for (int64_t h = 0; h < KVH; ++h) prefetch_rows(ahead + h * sh.k_s2, BS, sh.k_s1, DC);
+    }
+    for (int64_t h = 0; h < KVH; ++h) {
+      const T* kb = k + blk * sh.k_s0 + h * sh.k_s2;
+      float* sb = scores + h * G * L + b * BS - start;  // sb[g * L + t]: head h * G + g, key b * BS + t
+      for (int64_t t0 = t_lo; t0 < n; t0 += 16)
+        scores16<T, DC>(qf + h * G * DC, G, kb + t0 * sh.k_s1, sh.k_s1, std::min<int64_t>(16, n - t0), sb + t0, L);
+    }
+  }
+  finish_scores<T>(scores, H * L, scale, sh.softcap);
+  softmax_rows<T>(scores, H, L);
+  for (int64_t h = 0; h < KVH; ++h)
+    pv_all<T, DC>(scores + h * G * L, start, end, G, v, table, BS, sh.v_s0, sh.v_s1, h * sh.v_s2, acc + h * G * DC);
+  store_outputs(acc, H, DC, out, sh.o_s1);
+}
+#endif
+
+// attend_all where the build has it for this head dim (run never asks otherwise).
+template <typename T, int DC>
+inline void attend_whole(const Shape& sh, const T* q, const T* k, const T* v, T* out, const int32_t* table,
+                         int64_t pos, float scale, Scratch& sc) {
+#ifdef KVPAGER_HAVE_SCORES16
+  if constexpr (DC > 0 && DC % 16 == 0) {
+    attend_all<T, DC>(sh, q, k, v, out, table, pos, scale, sc);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "paged_attention: no whole-item walk for head_dim ", sh.head_dim);
+}
+
+// Items per thread from which every kv head of an item is walked together
+// (attend_all): below it, an item per (token, kv head) keeps the threads
+// evenly loaded (16 x 1,450 and 4 x 6,000 tokens on two threads: 6-13 %
+// quicker whole; 2 and 3 x 6,000: 7-30 % slower).
+constexpr int64_t whole_items_per_thread() { return 4; }
 
 template <typename T, int DC>
 void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -559,9 +647,14 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const int64_t KVH = sh.num_kv_heads;
+  const int64_t team = at::get_num_threads();
+  bool whole = false;
+#ifdef KVPAGER_HAVE_SCORES16
+  whole = DC > 0 && DC % 16 == 0 && static_cast<int64_t>(items.size()) >= whole_items_per_thread() * team;
+#endif
+  const int64_t KVH = whole ? 1 : sh.num_kv_heads;  // units of work per item
   const int64_t n_work = static_cast<int64_t>(items.size()) * KVH;
-  // Work is handed out one (token, kv head) at a time, last first: a
+  // Work is handed out one unit (a token, or a token's kv head) at a time, last first: a
   // prefill chunk's later tokens attend more keys, and parallel_for's static
   // halves gave the second thread three times the first's work on a single
   // sequence (1.5x the balanced time). Every thread pulls until none is left.
@@ -570,7 +663,7 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
   // (a decode item is a few blocks; waiting for its first ones was a tenth
   // of a cold decode's attention).
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n_work);
+  const int64_t threads = std::min<int64_t>(team, n_work);
   struct Item {
     int64_t s, token, pos, kvh;
   };
@@ -579,7 +672,7 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
     const int64_t item = items[w / KVH];
     const int64_t s = item >> 32, j = item & 0xffffffff;
     const int64_t q_len = qsl[s + 1] - qsl[s];
-    const Item it{s, qsl[s] + j, static_cast<int64_t>(seq_lens[s]) - q_len + j, w % KVH};
+    const Item it{s, qsl[s] + j, static_cast<int64_t>(seq_lens[s]) - q_len + j, whole ? -1 : w % KVH};
     prefetch_first_blocks(sh, kp, vp, tables + s * sh.max_blocks, it.pos, it.kvh);
     return it;
   };
@@ -593,8 +686,12 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
       const bool more = following < n_work;
       Item nxt{};
       if (more) nxt = locate(following);
-      attend_one<T, DC>(sh, qp + cur.token * sh.q_s0, kp, vp, op + cur.token * sh.o_s0,
-                        tables + cur.s * sh.max_blocks, cur.pos, cur.kvh, scale, scratch);
+      if (whole)
+        attend_whole<T, DC>(sh, qp + cur.token * sh.q_s0, kp, vp, op + cur.token * sh.o_s0,
+                            tables + cur.s * sh.max_blocks, cur.pos, scale, scratch);
+      else
+        attend_one<T, DC>(sh, qp + cur.token * sh.q_s0, kp, vp, op + cur.token * sh.o_s0,
+                          tables + cur.s * sh.max_blocks, cur.pos, cur.kvh, scale, scratch);
       if (!more) break;
       cur = nxt;
     }

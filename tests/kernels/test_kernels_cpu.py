@@ -9,7 +9,8 @@ import torch
 
 from executor_service.kv_pool import head_major
 from kvpager_kernels import cpu_attention, cpu_build, fused_reference as FR, reference as R
-from kvpager_kernels.testing import contiguous_attention, eager_attention, make_paged_batch, poison_unread
+from kvpager_kernels.testing import (contiguous_attention, drop_out_of_window, eager_attention, make_paged_batch,
+                                     poison_unread)
 
 pytestmark = pytest.mark.skipif(not cpu_build.available(), reason="the C++ CPU kernels did not build here")
 
@@ -169,6 +170,34 @@ def test_whole_prompt_in_place_matches_reference_on_any_thread_count(dtype):
             torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("window, softcap", [(None, None), (33, None), (None, 20.0)])
+def test_many_decodes_walk_every_kv_head_at_once_to_the_same_bits(dtype, group, head_dim, window, softcap):
+    """With at least 4 decodes a thread the walk takes all kv heads of a token
+    together (each block's K rows of every head in one run); with fewer, one
+    kv head at a time. Head by head the arithmetic is the same: the same
+    bits, equal to the reference."""
+    lens = [1, 70, 9, 130, 16, 17, 300, 33, 2, 64]
+    batch = make_paged_batch(lens, [1] * len(lens), num_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+                             block_size=16, dtype=dtype)
+    if window:
+        drop_out_of_window(batch, window)  # table entries before each window are never read
+    plan = cpu_attention.CpuAttentionPlan(in_place_seqs=torch.arange(len(lens)), window=window)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # 10 decodes on one thread: every kv head at once
+        whole = cpu_attention.paged_attention(*batch.args(), plan=plan, window=window, softcap=softcap)
+        torch.set_num_threads(3)  # 3-4 a thread: a kv head at a time
+        per_head = cpu_attention.paged_attention(*batch.args(), plan=plan, window=window, softcap=softcap)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(whole, per_head)
+    want = R.paged_attention(*batch.args(), window=window, softcap=softcap)
+    torch.testing.assert_close(whole.float(), want.float(), **TOL[dtype])
 
 
 def test_attention_rejects_bad_tables_without_reading_them():
