@@ -56,11 +56,15 @@ def head_major(shape: tuple[int, ...], huge: bool = False, **kw) -> torch.Tensor
     every other 256 bytes; a cold fp32 decode of the 0.5B Llama's shapes (32
     sequences, 24 layers' K/V read in turn) took 621 against 693 us a layer
     head-major, interleaved in one process (docs/benchmarks.md); bf16 level.
-    ``huge``: in CPU memory backed by transparent huge pages (huge_pages.py;
-    ``kw`` then takes only ``dtype``)."""
+    ``huge``: in CPU memory on transparent huge pages (huge_pages.py; ``kw``
+    then names the ``dtype`` and no device but the CPU)."""
     *outer, bs, kvh, d = shape
     stored = (*outer, kvh, bs, d)
-    t = huge_zeros(stored, kw["dtype"]) if huge else torch.zeros(stored, **kw)
+    if not huge:
+        return torch.zeros(stored, **kw).transpose(-3, -2)
+    if torch.device(kw.get("device", "cpu")).type != "cpu" or kw.get("pin_memory"):
+        raise ValueError("huge pages are for an unpinned CPU pool")
+    t = huge_zeros(stored, kw["dtype"])
     return t.transpose(-3, -2)
 
 

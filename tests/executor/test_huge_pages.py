@@ -76,6 +76,13 @@ def test_head_major_huge_is_the_same_view_as_plain():
     assert int(a.count_nonzero()) == 0
 
 
+def test_head_major_huge_is_for_an_unpinned_cpu_pool():
+    with pytest.raises(ValueError, match="unpinned CPU pool"):
+        head_major((1, 2, 4, 16, 2, 64), huge=True, dtype=torch.float32, device="meta")
+    with pytest.raises(ValueError, match="unpinned CPU pool"):
+        head_major((1, 2, 4, 16, 2, 64), huge=True, dtype=torch.float32, pin_memory=True)
+
+
 def _pool(num_blocks: int, device: str = "cpu") -> KvPool:
     return KvPool(num_layers=2, num_blocks=num_blocks, block_size=16, num_kv_heads=2, head_dim=64, num_swap_blocks=4,
                   dtype=torch.float32, device=torch.device(device), backend=load_backend("torch"))
