@@ -126,7 +126,7 @@ def _ready_fields(executor: Executor) -> dict:
         "num_blocks": info.num_blocks,
         "num_swap_blocks": info.num_swap_blocks,
         "kv_pool_bytes": info.kv_pool_bytes,
-        "kv_pool_huge_page_bytes": executor.pool.kv_pool_huge_bytes(),
+        "kv_pool_huge_page_bytes": executor.kv_pool_huge_bytes,
         "incarnation": info.incarnation,
     }
 
