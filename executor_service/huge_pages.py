@@ -19,6 +19,7 @@ much of the pool huge pages actually back is read back from
 
 from __future__ import annotations
 
+import math
 import mmap
 from pathlib import Path
 
@@ -49,10 +50,7 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros of ``shape`` in a private anonymous mapping advised MADV_HUGEPAGE
     before it is touched (``torch.zeros`` where the platform cannot advise).
     The tensor holds the mapping: it is unmapped when the tensor is freed."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if not can_advise() or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

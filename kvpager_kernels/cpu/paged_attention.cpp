@@ -652,8 +652,8 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
 #ifdef KVPAGER_HAVE_SCORES16
   whole = DC > 0 && DC % 16 == 0 && static_cast<int64_t>(items.size()) >= whole_items_per_thread() * team;
 #endif
-  const int64_t KVH = whole ? 1 : sh.num_kv_heads;  // units of work per item
-  const int64_t n_work = static_cast<int64_t>(items.size()) * KVH;
+  const int64_t per_item = whole ? 1 : sh.num_kv_heads;  // units of work per item
+  const int64_t n_work = static_cast<int64_t>(items.size()) * per_item;
   // Work is handed out one unit (a token, or a token's kv head) at a time, last first: a
   // prefill chunk's later tokens attend more keys, and parallel_for's static
   // halves gave the second thread three times the first's work on a single
@@ -669,10 +669,10 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
   };
   auto locate = [&](int64_t taken) {
     const int64_t w = n_work - 1 - taken;
-    const int64_t item = items[w / KVH];
+    const int64_t item = items[w / per_item];
     const int64_t s = item >> 32, j = item & 0xffffffff;
     const int64_t q_len = qsl[s + 1] - qsl[s];
-    const Item it{s, qsl[s] + j, static_cast<int64_t>(seq_lens[s]) - q_len + j, whole ? -1 : w % KVH};
+    const Item it{s, qsl[s] + j, static_cast<int64_t>(seq_lens[s]) - q_len + j, whole ? -1 : w % per_item};
     prefetch_first_blocks(sh, kp, vp, tables + s * sh.max_blocks, it.pos, it.kvh);
     return it;
   };
