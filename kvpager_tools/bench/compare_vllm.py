@@ -21,13 +21,16 @@ give nearly flat logits, so bf16 rounding flips tokens: compare bf16 with
 bf16), as whole-sequence matches and the mean length of the matching prefix.
 
 ``--online``: vLLM's OpenAI-compatible server against kvpager's HTTP API,
-driven by the same client (``compare_vllm_online.py``).
+driven by the same client (``compare_vllm_online.py``); with
+``--request-rate`` the requests arrive as a Poisson process instead of all at
+once, and the latency ratios are the comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -94,6 +97,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--single-rounds", type=int, default=None,
                    help="--online: then this many rounds of one request at a time on each server (latency on "
                         "an idle server; default 10, 0: none)")  # compare_vllm_online.SINGLE_ROUNDS
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="--online: requests arrive as a Poisson process at this many per second, the same "
+                        "times for both servers (default: all at once); below saturation compare the latency "
+                        "ratios, not throughput")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
 
@@ -345,6 +352,10 @@ def _main(args: argparse.Namespace) -> int:
         raise SystemExit("--single-rounds is for the online comparison (--online)")
     if args.single_rounds is not None and args.single_rounds < 0:
         raise SystemExit(f"--single-rounds must be >= 0, got {args.single_rounds}")
+    if args.request_rate is not None and not args.online:
+        raise SystemExit("--request-rate is for the online comparison (--online)")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise SystemExit(f"--request-rate must be > 0, got {args.request_rate:g}")
     if args.block_size < 1:
         raise SystemExit(f"--block-size must be >= 1, got {args.block_size}")
     try:
@@ -368,7 +379,8 @@ def _main(args: argparse.Namespace) -> int:
                                 max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                                 num_scheduler_steps=args.num_scheduler_steps or 0, block_size=args.block_size,
                                 single_rounds=SINGLE_ROUNDS if args.single_rounds is None else args.single_rounds,
-                                sampling=sampling)
+                                sampling=sampling,
+                                rate=math.inf if args.request_rate is None else args.request_rate)
     else:
         result = compare(model, args.dtype, prompts, args.max_new_tokens, repeats=args.repeats,
                          vllm_python=python, vllm_timeout_s=args.vllm_timeout_s, parity_sample=parity,

@@ -8,7 +8,10 @@ vLLM serves from its own virtual environment (``vllm_runner.py
 is the full stack with its HTTP API. Both servers stay up side by side; each
 gets a warm-up (the whole workload once), then the timed rounds alternate
 (vLLM, kvpager, vLLM, ...), each after the machine has gone quiet
-(``bc.settle``), all requests of a round sent at once. As offline, round i
+(``bc.settle``), all requests of a round sent at once, or (``request_rate``)
+arriving as a Poisson process at that rate, the same arrival times for both
+engines: a load below saturation, where what a server is judged by is its
+latency, not its throughput (both serve what arrives). As offline, round i
 of each engine is a pair, so drift of the shared machine moves both sides of
 a ratio together. Reported per engine: output tokens per second (medians),
 time to first token, time per output token and end-to-end latency (medians
@@ -22,6 +25,7 @@ its socket settings) shows; under 32 streams it hides in the queue.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import subprocess
@@ -69,35 +73,43 @@ def vllm_server(python: Path, model: str, dtype: str, *, max_model_len: int, max
         end_process_group(proc, grace_s=30)  # its API process's engine core and worker too
 
 
-def _round(base_url: str, requests: list[bc.BenchRequest], salt: str, sampling: bc.BenchSampling) -> dict:
+# Per-round latency figures: medians and tails over the round's requests (ITL: over its tokens).
+LATENCY_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms", "ttft_p99_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_p99_ms")
+
+
+def _round(base_url: str, requests: list[bc.BenchRequest], salt: str, sampling: bc.BenchSampling,
+           rate: float = math.inf) -> dict:
     import asyncio
 
     target = bc.Target(backend="openai", base_url=base_url)
     load = os.getloadavg()[0]
-    res = asyncio.run(bc.run_load(target, requests, ignore_eos=True, cache_salt=salt, sampling=sampling))
+    # run_load's fixed seed: every round of either engine gets the same arrival times.
+    res = asyncio.run(bc.run_load(target, requests, rate=rate, ignore_eos=True, cache_salt=salt, sampling=sampling))
     m = bc.load_metrics(res)
     if m["failed"]:
         raise RuntimeError(f"{salt}: {m['failed']} requests failed: {m.get('errors')}")
     return {"wall_s": m["duration_s"], "tok_s": m["output_throughput"], "loadavg_1m": load,
             "output_tokens": m["output_tokens"], "ttft_ms": m["ttft_ms"]["median"],
             "tpot_ms": m["tpot_ms"]["median"], "e2e_ms": m["e2e_ms"]["median"],
+            "ttft_p99_ms": m["ttft_ms"]["p99"], "tpot_p99_ms": m["tpot_ms"]["p99"], "itl_p99_ms": m["itl_ms"]["p99"],
+            "e2e_p99_ms": m["e2e_ms"]["p99"], "peak_concurrency": m["peak_concurrency"],
             "cached_prompt_tokens": m["cached_prompt_tokens"]}
 
 
 def interleaved_rounds(servers: dict[str, str], requests: list[bc.BenchRequest], repeats: int, *,
-                       settle_s: float = 1.0, salt: str = "",
-                       sampling: bc.BenchSampling = bc.GREEDY) -> dict[str, list[dict]]:
+                       settle_s: float = 1.0, salt: str = "", sampling: bc.BenchSampling = bc.GREEDY,
+                       rate: float = math.inf) -> dict[str, list[dict]]:
     """``servers``: label -> base URL, in the order each round visits them.
     Every server gets the whole workload once as a warm-up, then ``repeats``
     rounds each, alternating, every round after ``bc.settle(settle_s)``
     (a server's OpenMP threads spin on after its round). A fresh cache salt
     per round (prefixed ``salt``: another workload on the same servers
     passes its own) keeps earlier rounds' prefixes out. ``sampling``: every
-    request's. Returns label -> rounds (``at_s``: when a round began, seconds
+    request's; ``rate``: Poisson arrivals (inf: all at once). Returns label -> rounds (``at_s``: when a round began, seconds
     after the first timed one)."""
     for label, url in servers.items():
         bc.progress(NAME, f"{label}: warm-up")
-        _round(url, requests, f"{salt}{label}-warmup", sampling)
+        _round(url, requests, f"{salt}{label}-warmup", sampling, rate)
     rounds: dict[str, list[dict]] = {label: [] for label in servers}
     t0 = None
     for r in range(repeats):
@@ -105,15 +117,17 @@ def interleaved_rounds(servers: dict[str, str], requests: list[bc.BenchRequest],
             waited = bc.settle(settle_s)
             now = time.perf_counter()
             t0 = now if t0 is None else t0
-            rounds[label].append({**_round(url, requests, f"{salt}{label}-{r}", sampling), "settled_s": waited,
+            rounds[label].append({**_round(url, requests, f"{salt}{label}-{r}", sampling, rate),
+                                  "settled_s": waited,
                                   "at_s": round(now - t0, 3)})
             bc.progress(NAME, f"round {r + 1}/{repeats}: {label} {rounds[label][-1]['tok_s']:.1f} tok/s")
     return rounds
 
 
-def _summary(rounds: list[dict]) -> dict:
-    return {k: round(statistics.median(r[k] for r in rounds), 2) for k in ("tok_s", "ttft_ms", "tpot_ms", "e2e_ms")
-            if all(r[k] is not None for r in rounds)}
+def _summary(rounds: list[dict], keys=("tok_s", *LATENCY_KEYS)) -> dict:
+    """Medians over rounds of each figure every round has."""
+    return {k: round(statistics.median(r[k] for r in rounds), 2) for k in keys
+            if all(r.get(k) is not None for r in rounds)}
 
 
 def single_stream(servers: dict[str, str], prompts: list[list[int]], max_new_tokens: int, rounds: int, *,
@@ -129,7 +143,7 @@ def single_stream(servers: dict[str, str], prompts: list[list[int]], max_new_tok
                              settle_s=settle_s, salt="single-", sampling=sampling)
     out: dict = {"prompt_len": len(prompt), "rounds": rounds}
     for label, rs in got.items():
-        out[label] = {**{k: v for k, v in _summary(rs).items() if k != "tok_s"},
+        out[label] = {**_summary(rs, ("ttft_ms", "tpot_ms", "e2e_ms")),
                       "cached_prompt_tokens": sum(r["cached_prompt_tokens"] for r in rs)}
     if "kvpager" in out and "vllm" in out and out["vllm"].get("ttft_ms"):
         out["ttft_ratio_vs_vllm"] = round(out["kvpager"]["ttft_ms"] / out["vllm"]["ttft_ms"], 3)
@@ -140,7 +154,7 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
                    vllm_python: Path, vllm_timeout_s: float = 1800.0, max_batch_tokens: int = 0,
                    max_running: int = 0, num_scheduler_steps: int = 0, settle_s: float = 1.0,
                    single_rounds: int = SINGLE_ROUNDS, block_size: int = 16,
-                   sampling: bc.BenchSampling = bc.GREEDY) -> dict:
+                   sampling: bc.BenchSampling = bc.GREEDY, rate: float = math.inf) -> dict:
     requests = [bc.BenchRequest(prompt_ids=p, max_tokens=max_new_tokens) for p in prompts]
     total = len(prompts) * max_new_tokens
     max_len = max(512, max(len(p) for p in prompts) + max_new_tokens + 1)
@@ -153,7 +167,8 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
         bc.progress(NAME, f"kvpager: starting the stack with its HTTP API ({dtype})")
         with bc.embedded_stack(opts) as stack:
             servers = {"vllm": base, "kvpager": stack.addresses.http}
-            rounds = interleaved_rounds(servers, requests, repeats, settle_s=settle_s, sampling=sampling)
+            rounds = interleaved_rounds(servers, requests, repeats, settle_s=settle_s, sampling=sampling,
+                                        rate=rate)
             single = (single_stream(servers, prompts, max_new_tokens, single_rounds, settle_s=settle_s,
                                     sampling=sampling) if single_rounds else None)
     vllm_rounds, kv_rounds = rounds["vllm"], rounds["kvpager"]
@@ -166,7 +181,8 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
     return {
         "benchmark": NAME, "variant": "online", "model": model, "dtype": dtype, "num_prompts": len(prompts),
         "max_new_tokens": max_new_tokens, "input_len_mean": round(statistics.fmean(len(p) for p in prompts), 1),
-        "repeats": repeats, "kvpager_tok_s": kv["tok_s"], "vllm_tok_s": vl["tok_s"],
+        "repeats": repeats, "request_rate": "inf" if math.isinf(rate) else rate,
+        "kvpager_tok_s": kv["tok_s"], "vllm_tok_s": vl["tok_s"],
         "ratio_vs_vllm": round(kv["tok_s"] / vl["tok_s"], 3),
         # Each kvpager round over the vLLM round just before it: drift of the machine cancels.
         "paired_ratios": paired, "paired_ratio_median": statistics.median(paired),
@@ -174,13 +190,18 @@ def compare_online(model: str, dtype: str, prompts: list[list[int]], max_new_tok
                                          paired=True),
         "latency_ms": {"kvpager": {k: v for k, v in kv.items() if k != "tok_s"},
                        "vllm": {k: v for k, v in vl.items() if k != "tok_s"}},
+        # kvpager's over vLLM's (below 1: kvpager lower); at a rate below saturation these, not
+        # the throughput ratio, are the comparison.
+        "latency_ratios_vs_vllm": {k: round(kv[k] / vl[k], 3) for k in LATENCY_KEYS
+                                   if kv.get(k) is not None and vl.get(k)},
         "rounds": {"order": "interleaved: vLLM then kvpager, per round; both servers up throughout",
                    "kvpager": kv_rounds, "vllm": vllm_rounds},
         # One request at a time: medians over rounds (None with --single-rounds 0).
         "single_stream": single,
         "sampling": {**sampling.as_dict(), "ignore_eos": True},
         "settings": {"client": "kvpager bench serve's load generator: streamed /v1/completions, token-id prompts, "
-                               "ignore_eos, every request at once",
+                               "ignore_eos, " + ("every request at once" if math.isinf(rate) else
+                                                 f"Poisson arrivals at {rate:g}/s (the same times for both)"),
                      "kvpager": {"stack": "kvpager up defaults, HTTP API", "num_blocks": opts.num_blocks,
                                  "block_size": block_size,
                                  "max_batch_tokens": max_batch_tokens or "default",

@@ -72,6 +72,8 @@ def test_single_stream_latency_of_each_server(stack):
     (["--temperature", "0.8", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
     (["--temperature", "0.8", "--top-k", "-3"], "top_k must be >= 0"),
     (["--top-p", "0.9"], "give a temperature > 0"),
+    (["--request-rate", "4"], "--request-rate is for the online comparison"),
+    (["--online", "--request-rate", "0"], "--request-rate must be > 0"),
 ])
 def test_compare_vllm_refuses_flags_it_cannot_honour(argv, message):
     """Checked before anything is set up (no vLLM needed)."""
@@ -118,3 +120,25 @@ def test_online_rounds_sample_when_asked(stack):
     rounds = interleaved_rounds({"a": url}, requests, 1, settle_s=0.05, salt="sampled-",
                                 sampling=bc.BenchSampling(0.9, 0.9, 5))
     assert [r["output_tokens"] for r in rounds["a"]] == [12]
+
+
+def test_online_rounds_at_a_request_rate(stack):
+    """compare-vllm --online --request-rate: a round's requests arrive as a
+    Poisson process (the same times in every round), so a round lasts at least
+    until the last arrival (all at once, every request is in flight at once);
+    each round carries the tails (p99 TTFT, TPOT, ITL, E2E) beside the medians."""
+    from kvpager_tools.bench.compare_vllm_online import LATENCY_KEYS, _summary, interleaved_rounds
+
+    n, rate = 6, 20.0
+    last = bc.arrival_offsets(n, rate, 0)[-1]
+    assert last > 0.1  # the spread this test relies on (a fixed seed)
+    requests = [bc.BenchRequest(prompt_ids=[11 + i, 6, 7, 8, 9], max_tokens=3) for i in range(n)]
+    url = stack.addresses.http
+    rounds = interleaved_rounds({"a": url, "b": url}, requests, 1, settle_s=0.05, salt="rate-", rate=rate)
+    at_once = interleaved_rounds({"c": url}, requests, 1, settle_s=0.05, salt="rate-once-")
+    for r in rounds["a"] + rounds["b"]:
+        assert r["output_tokens"] == 3 * n and r["wall_s"] >= last
+        assert all(r[k] is not None and r[k] > 0 for k in LATENCY_KEYS)
+        assert r["ttft_p99_ms"] >= r["ttft_ms"] and r["e2e_p99_ms"] >= r["e2e_ms"]
+    assert at_once["c"][0]["peak_concurrency"] == n
+    assert set(_summary(rounds["a"])) == {"tok_s", *LATENCY_KEYS}
