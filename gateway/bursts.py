@@ -58,20 +58,34 @@ class DecodeClock:
     """Seconds per one-token forward of each executor, from its Executes of
     decodes only (the executor's own forward and sampling timers: no queueing,
     no transport), as an exponential moving average (an executor restarted
-    under the same id moves it within a few steps)."""
+    under the same id moves it within a few steps): what bounds a burst's
+    length. And seconds per sub-step of its bursts as the gateway sees them
+    (``wall``: from the burst's start to its result, so the executor's work
+    between forwards and the streamed parts too, ~15 % more on a 2-core
+    machine): when a burst ends, for planning its next step near that end."""
 
     alpha: float = 0.2
     seconds: dict[str, float] = field(default_factory=dict)  # executor id -> seconds per forward
+    wall: dict[str, float] = field(default_factory=dict)     # executor id -> seconds per burst sub-step
 
-    def observe(self, executor_id: str, rows, forward_s: float, sample_s: float, ran: int = 0) -> None:
+    def observe(self, executor_id: str, rows, forward_s: float, sample_s: float, ran: int = 0,
+                wall_s: float | None = None) -> None:
         """``rows`` (gateway.wire.Row) came back with these timers; only a step
         whose every row computes one known token plus its burst counts.
-        ``ran``: the sub-steps a burst cut short ran (0: all)."""
+        ``ran``: the sub-steps a burst cut short ran (0: all). ``wall_s``: the
+        seconds from its start (``inflight.Call.started``) to its result (None:
+        its start is not known)."""
         if not rows or any(r.num_samples != 1 or len(r.token_ids) != 1 + r.burst for r in rows):
             return
-        s = (forward_s + sample_s) / (ran or 1 + max(r.burst for r in rows))
-        old = self.seconds.get(executor_id)
-        self.seconds[executor_id] = s if old is None else old + self.alpha * (s - old)
+        steps = ran or 1 + max(r.burst for r in rows)
+        _average(self.seconds, executor_id, (forward_s + sample_s) / steps, self.alpha)
+        if wall_s is not None and steps > 1:
+            _average(self.wall, executor_id, wall_s / steps, self.alpha)
+
+    def per_sub_step(self, executor_id: str) -> float:
+        """Seconds a burst's sub-step of this executor takes end to end (its
+        forwards' time until a burst has been timed whole; 0.0: unknown)."""
+        return self.wall.get(executor_id) or self.seconds.get(executor_id, 0.0)
 
     def limits(self, max_steps: int, max_burst_s: float) -> dict[str, int]:
         """Executor id -> the longest burst (1: none) within ``max_burst_s``."""
@@ -79,24 +93,32 @@ class DecodeClock:
                 for eid, s in self.seconds.items()}
 
 
+def _average(into: dict[str, float], key: str, value: float, alpha: float) -> None:
+    old = into.get(key)
+    into[key] = value if old is None else old + alpha * (value - old)
+
+
 NEVER = float("inf")
 
 
-def next_plan_at(sent: float, rows: list, per_step_s: float, lead_s: float) -> float:
-    """When (perf_counter) the step after an Execute sent at ``sent`` with
-    ``rows`` may be planned: at once (0.0) after a one-token step; after a
-    burst, ``lead_s`` (at least one forward) before it should end by the
-    executor's measured forwards (``per_step_s``: DecodeClock), so the executor
+def next_plan_at(started: float | None, rows: list, per_step_s: float, lead_s: float) -> float:
+    """When (perf_counter) the step after an Execute with ``rows`` that the
+    executor started at ``started`` may be planned: at once (0.0) after a
+    one-token step; after a burst, ``lead_s`` (at least one sub-step) before
+    it should end (``per_step_s``: DecodeClock.per_sub_step), so the executor
     finds the next one queued instead of idling while the result, the Step and
     the Execute travel (~4-6 ms between bursts on a 2-core machine,
-    docs/benchmarks.md), and a request arriving before then still cuts the
-    burst. ``lead_s`` 0: NEVER (the burst's next step waits for its return)."""
+    docs/benchmarks.md). Not earlier: while two steps are in flight a request
+    that arrives waits for the first to end before it is planned, where one
+    arriving earlier cuts the burst at once. A burst not started yet (queued
+    behind another step: ``started`` None) or ``lead_s`` 0: NEVER (planned
+    once the step before it returns, or it returns)."""
     steps = max((r.burst for r in rows), default=0) + 1
     if steps == 1:
         return 0.0
-    if not lead_s:
+    if not lead_s or started is None:
         return NEVER
-    return sent + steps * per_step_s - max(lead_s, per_step_s)
+    return started + steps * per_step_s - max(lead_s, per_step_s)
 
 
 def may_cut(burst_rows: list, rows: list, preempted: set[int]) -> bool:

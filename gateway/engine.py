@@ -31,7 +31,7 @@ from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
 from gateway.engine_config import EngineConfig
 from gateway.failures import FailureLog, for_client
-from gateway.inflight import Call, bursts_running, next_burst_plan
+from gateway.inflight import Call, bursts_running, next_burst_plan, take_returned
 from gateway.membership import Executors
 from gateway.outputs import Outbox
 from gateway.recovery import Recovery
@@ -288,7 +288,8 @@ class Engine:
             parts: list = []  # its clients get each sub-step's tokens as it ends (streamed) or with the whole
             on_part = functools.partial(self._part_came, parts) if ep.executor_id in batch.streamed else None
             task = asyncio.ensure_future(ex.execute(request, self.config.step_timeout_s, on_part))
-            self._inflight.append(Call(ex, task, rows, time.perf_counter(), t0, self._step_id, parts))
+            sent = time.perf_counter()  # a step queued behind another starts when that one returns (_collect)
+            self._inflight.append(Call(ex, task, rows, sent, t0, self._step_id, parts, None if prev else sent))
         self.outbox.flush()  # the Execute calls go out first; the streams run during the forward
         metrics.STEP_SECONDS.labels("plan").observe(t_plan - t0)
         metrics.SCHEDULED_SEQS.observe(len(batch.seqs))
@@ -346,20 +347,14 @@ class Engine:
                     for waker in wakers:
                         waker.cancel()
             self._take_parts()
-        pending, blocked, finished = [], set(), set()
-        for call in self._inflight:
-            eid = call.ex.executor_id
-            if not call.task.done() or eid in blocked:
-                pending.append(call)
-                blocked.add(eid)  # an executor's results are applied in step order
-                continue
+        done, self._inflight = take_returned(self._inflight, time.perf_counter())  # each executor's in step order
+        for call in done:
             metrics.STEP_SECONDS.labels("execute").observe(time.perf_counter() - call.sent)
             self._finish_execute(call)  # sub-steps not taken yet are in the whole response
             metrics.STEP_SECONDS.labels("total").observe(time.perf_counter() - call.step_start)
-            finished.add(eid)
-        self._inflight = pending
+        finished = {call.ex.executor_id for call in done}
         # Executors already running the step planned ahead: stream now, not after the next plan's round trip.
-        self._take_parts(flush=bool(finished) and finished <= blocked)
+        self._take_parts(flush=bool(finished) and finished <= {call.ex.executor_id for call in self._inflight})
 
     def _take_parts(self, flush: bool = False) -> None:
         self._parts.clear()
@@ -378,7 +373,8 @@ class Engine:
                                 deregister=True)
             return
         out = task.result()
-        self.scheduler.clock.observe(ex.executor_id, call.rows, out.forward_s, out.sample_s, out.sub_steps_run)
+        self.scheduler.clock.observe(ex.executor_id, call.rows, out.forward_s, out.sample_s, out.sub_steps_run,
+                                     call.ran_for(time.perf_counter()))
         self.results.whole(call.rows, task.result())
 
     async def _drain(self) -> None:

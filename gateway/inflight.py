@@ -1,7 +1,7 @@
 """The Executes in flight, oldest first (at most two per executor: one
-planned ahead), and when the step after each executor's latest may be
-planned (``gateway.bursts.next_plan_at``: at once after a one-token step,
-near its end after a burst)."""
+planned ahead), when each began to run on its executor, and when the step
+after each executor's latest may be planned (``gateway.bursts.next_plan_at``:
+at once after a one-token step, near its end after a burst)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ class Call:
     step_start: float  # perf_counter when its step began
     step_id: int = 0
     parts: list = field(default_factory=list)  # a streamed burst's sub-steps come, not taken yet
+    # perf_counter when its executor began it, as the gateway knows it: when sent to an idle
+    # executor, else when the step before it came back (None until then: it is queued).
+    started: float | None = None
+
+    def ran_for(self, now: float) -> float | None:
+        """Seconds from its start to ``now`` (None: its start is not known)."""
+        return None if self.started is None else now - self.started
 
 
 def latest(calls: list[Call]) -> list[Call]:
@@ -32,7 +39,25 @@ def latest(calls: list[Call]) -> list[Call]:
 
 
 def plan_at(call: Call, clock: DecodeClock, lead_s: float) -> float:
-    return next_plan_at(call.sent, call.rows, clock.seconds.get(call.ex.executor_id, 0.0), lead_s)
+    return next_plan_at(call.started, call.rows, clock.per_sub_step(call.ex.executor_id), lead_s)
+
+
+def take_returned(calls: list[Call], now: float) -> tuple[list[Call], list[Call]]:
+    """(the calls that came back, the rest), both in order: an executor's
+    results are applied in step order, so one that came back behind a call
+    of its executor still running stays. The call queued behind one that came
+    back (planned ahead) runs on its executor from ``now``."""
+    done, pending, running = [], [], set()
+    for call in calls:
+        eid = call.ex.executor_id
+        if call.task.done() and eid not in running:
+            done.append(call)
+            continue
+        if eid not in running and call.started is None and any(c.ex.executor_id == eid for c in done):
+            call.started = now
+        pending.append(call)
+        running.add(eid)
+    return done, pending
 
 
 def bursts_running(calls: list[Call], now: float, clock: DecodeClock, lead_s: float) -> set[str]:

@@ -233,3 +233,45 @@ def test_a_bursts_next_step_is_planned_near_its_end():
     assert next_plan_at(10.0, burst, 0.005, 0.006) == pytest.approx(10.0 + 0.040 - 0.006)
     assert next_plan_at(10.0, burst, 0.010, 0.006) == pytest.approx(10.0 + 0.080 - 0.010)  # >= one forward
     assert next_plan_at(10.0, burst, 0.005, 0.0) == NEVER                        # lead 0: after it returns
+    assert next_plan_at(None, burst, 0.005, 0.006) == NEVER   # queued behind another step: not started yet
+    assert next_plan_at(None, [row()], 0.005, 0.006) == 0.0
+
+
+def test_a_burst_ends_by_the_gateways_clock_of_its_sub_steps_once_one_was_timed_whole():
+    """Planning near a burst's end reads its sub-steps end to end (the
+    executor's work between forwards, the streamed parts): by the forward
+    timers alone a burst of 8 at 4.25 ms a sub-step looked 5 ms shorter, and
+    the next step, planned that early, held every arrival behind two steps."""
+    clock = DecodeClock(alpha=0.5)
+    burst = [row(burst=7), row(burst=3)]                      # 8 sub-steps
+    assert clock.per_sub_step("e") == 0.0                      # nothing timed
+    clock.observe("e", burst, 0.028, 0.001)                    # no start known: forwards only
+    assert clock.per_sub_step("e") == pytest.approx(0.029 / 8) and clock.wall == {}
+    clock.observe("e", [row()], 0.004, 0.0, wall_s=0.006)      # one token: no sub-steps to time
+    assert clock.wall == {}
+    clock.observe("e", burst, 0.028, 0.001, wall_s=0.034)
+    assert clock.per_sub_step("e") == pytest.approx(0.034 / 8)
+    clock.observe("e", burst, 0.028, 0.001, ran=4, wall_s=0.021)  # cut short after 4
+    assert clock.wall["e"] == pytest.approx((0.034 / 8 + 0.021 / 4) / 2)
+    forwards_only = DecodeClock(seconds=dict(clock.seconds))
+    assert clock.limits(8, 0.02) == forwards_only.limits(8, 0.02) == {"e": 3}  # lengths still by the forwards
+
+
+def test_a_step_queued_behind_another_starts_when_that_one_comes_back():
+    from types import SimpleNamespace
+
+    from gateway.inflight import Call, bursts_running, next_burst_plan, take_returned
+
+    def call(eid, done, started=None):
+        ex, task = SimpleNamespace(executor_id=eid), SimpleNamespace(done=lambda: done)
+        return Call(ex, task, [row(burst=7)], sent=0.0, step_start=0.0, started=started)
+
+    clock = DecodeClock(seconds={"e": 0.005, "f": 0.005})
+    e1, e2, f1, f2 = call("e", True, 1.0), call("e", False), call("f", False, 1.0), call("f", True)
+    assert bursts_running([e2], 2.0, clock, 0.006) == {"e"}   # queued: its sequences held
+    assert next_burst_plan([e2], 2.0, clock, 0.006) == 0.0    # and no time to plan after it yet
+    done, pending = take_returned([e1, e2, f1, f2], 2.0)
+    assert done == [e1] and pending == [e2, f1, f2]           # f2 came back behind f1: applied after it
+    assert e2.started == 2.0 and f2.started is None and f1.started == 1.0
+    assert next_burst_plan(pending, 2.0, clock, 0.006) == pytest.approx(2.0 + 0.040 - 0.006)
+    assert bursts_running(pending, 2.0 + 0.035, clock, 0.006) == {"f"}  # e near its end, f's start unknown
