@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import math
+import secrets
 import statistics
 import sys
 import time
@@ -134,7 +135,8 @@ async def _run_one(target, memory: str | None, requests, rate: float, args, salt
 
 def run_serve(target, memory: str | None, requests, rates: list[float], args, console=None,
               salt: str = "serve", gateway_pid: int | None = None) -> list[dict]:
-    """Each rate in turn (a fresh cache salt per run: no run reuses an earlier run's prefixes)."""
+    """Each rate in turn (a fresh cache salt per run: no run reuses an earlier run's prefixes;
+    ``salt`` is the caller's, unique to its invocation)."""
     gateway = target
     runs = []
     for i, rate in enumerate(rates):
@@ -364,13 +366,16 @@ def serve(args: argparse.Namespace, console=None) -> dict:
                                    input_len=args.input_len, output_len=args.output_len,
                                    range_ratio=args.range_ratio, num_prefixes=args.num_prefixes,
                                    prefix_len=args.prefix_len, suffix_len=args.suffix_len)
+        # Salts of this invocation alone: another run against the same server (--address, --base-url)
+        # sends the same prompts for the same --seed, and must not find them cached.
+        run_id = secrets.token_hex(4)
         for t in targets:  # warm-up: a few requests per backend, their own cache salt
-            asyncio.run(bc.run_load(t, requests[:4], ignore_eos=True, cache_salt=f"serve-warmup-{t.backend}"))
+            asyncio.run(bc.run_load(t, requests[:4], ignore_eos=True, cache_salt=f"serve-{run_id}-warmup-{t.backend}"))
         runs = []
         for r in range(max(1, args.repeat)):
             for t in targets:  # alternating, so drift in the machine's load hits every backend alike
-                for run in run_serve(t, memory, requests, rates, args, console, salt=f"serve-{r}-{t.backend}",
-                                     gateway_pid=gateway_pid):
+                for run in run_serve(t, memory, requests, rates, args, console,
+                                     salt=f"serve-{run_id}-{r}-{t.backend}", gateway_pid=gateway_pid):
                     runs.append({"round": r, **run})
         out = {"best_prefix_hit_rate": round(bc.best_hit_rate(requests, 16), 5), "runs": runs}
         if len(targets) > 1 or args.repeat > 1:

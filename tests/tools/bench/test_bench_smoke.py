@@ -116,6 +116,29 @@ def test_serve_samples_when_asked(stack):
         serve(args(temperature=0.8, top_p=1.5, top_k=0))
 
 
+def test_serve_twice_against_one_server_finds_nothing_cached(stack):
+    """Two invocations with the same seed send the same prompts to a running
+    server (--address): the second must prefill them again, not hit the
+    first's blocks (each invocation salts its own)."""
+    from kvpager_tools.bench.serve import serve
+
+    a = stack.addresses
+
+    def once() -> dict:
+        args = argparse.Namespace(address=a.gateway, memory_address=a.memory, model="demo", executors=1,
+                                  num_blocks=None, max_batch_tokens=None, max_running=None, dataset="random",
+                                  num_prompts=4, input_len=48, output_len=2, range_ratio=0.0, num_prefixes=2,
+                                  prefix_len=32, suffix_len=4, seed=7, request_rate="inf", max_concurrency=None,
+                                  ignore_eos=True, goodput=None, json=True, plot=None)
+        [run] = serve(args)["runs"]
+        assert run["completed"] == 4 and run["input_tokens"] == 4 * 48
+        return run
+
+    first, second = once(), once()
+    for run in (first, second):
+        assert run["cached_prompt_tokens"] == 0 and run["memory"]["prefix_hit_rate"] == 0.0
+
+
 def test_compare_hf(stack, model):
     from kvpager_tools.bench.compare_hf import compare, make_prompts
 
