@@ -105,8 +105,9 @@ def interleaved_rounds(servers: dict[str, str], requests: list[bc.BenchRequest],
     (a server's OpenMP threads spin on after its round). A fresh cache salt
     per round (prefixed ``salt``: another workload on the same servers
     passes its own) keeps earlier rounds' prefixes out. ``sampling``: every
-    request's; ``rate``: Poisson arrivals (inf: all at once). Returns label -> rounds (``at_s``: when a round began, seconds
-    after the first timed one)."""
+    request's; ``rate``: Poisson arrivals (inf: all at once). Returns label
+    -> rounds (``at_s``: when a round began, seconds after the first timed
+    one)."""
     for label, url in servers.items():
         bc.progress(NAME, f"{label}: warm-up")
         _round(url, requests, f"{salt}{label}-warmup", sampling, rate)
@@ -118,8 +119,7 @@ def interleaved_rounds(servers: dict[str, str], requests: list[bc.BenchRequest],
             now = time.perf_counter()
             t0 = now if t0 is None else t0
             rounds[label].append({**_round(url, requests, f"{salt}{label}-{r}", sampling, rate),
-                                  "settled_s": waited,
-                                  "at_s": round(now - t0, 3)})
+                                  "settled_s": waited, "at_s": round(now - t0, 3)})
             bc.progress(NAME, f"round {r + 1}/{repeats}: {label} {rounds[label][-1]['tok_s']:.1f} tok/s")
     return rounds
 
