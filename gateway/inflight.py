@@ -47,13 +47,14 @@ def take_returned(calls: list[Call], now: float) -> tuple[list[Call], list[Call]
     results are applied in step order, so one that came back behind a call
     of its executor still running stays. The call queued behind one that came
     back (planned ahead) runs on its executor from ``now``."""
-    done, pending, running = [], [], set()
+    done, pending, returned, running = [], [], set(), set()
     for call in calls:
         eid = call.ex.executor_id
         if call.task.done() and eid not in running:
             done.append(call)
+            returned.add(eid)
             continue
-        if eid not in running and call.started is None and any(c.ex.executor_id == eid for c in done):
+        if eid in returned and eid not in running and call.started is None:
             call.started = now
         pending.append(call)
         running.add(eid)
