@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from executor_service.models import check_stop
+
 ATTN_IMPLEMENTATION = "kvpager_paged"
 
 
@@ -71,6 +73,7 @@ class AttentionMetadata:
     layer_groups: list[int]          # per layer: its table group (all 0 in the per-layer KV layout)
     # backend.plan_attention(...) per (table group, window), shared by every layer of that pair
     plans: dict[tuple[int, int | None], object] | None = None
+    stop: Callable[[], bool] | None = None  # ForwardBatch.stop, asked before each layer's attention
 
 
 def plan_windows(backend: KernelBackend, windows: list[int | None], groups: list[int], batch,
@@ -127,6 +130,7 @@ def paged_attention_forward(
     if kwargs.get("s_aux") is not None:
         raise RuntimeError("attention sinks (s_aux) are not supported by kvpager_paged")
     layer = module.layer_idx
+    check_stop(meta.stop, layer)
     window = meta.layer_windows[layer]
     if (sliding_window or None) != window:
         raise RuntimeError(f"layer {layer}: the model passes sliding_window {sliding_window}, its KV spec says "

@@ -18,12 +18,16 @@ also take each sub-step's samples as it ends (``on_part``: ExecuteStream,
 so the gateway streams tokens the moment they are sampled).
 
 A burst may be cut short (``stop``: a later step is waiting behind it, sent
-with ``cut_prev``): it ends after the sub-step it is in, J of them run, and
-row i returns min(query_lens[i], J) samples. The decision is taken before
-that sub-step's samples go out as a part, so every part sent is followed
-by the sub-step that computes its token: what the gateway appends from
-parts is computed, and only the cut's last samples (in the whole response)
-are not.
+with ``cut_prev``): J sub-steps run, and row i returns min(query_lens[i], J)
+samples, its last one the next token to compute. A cut heard between two
+sub-steps ends the burst before the finished one's samples go out as a
+part (J counts it: its samples come in the whole response); one heard
+during a sub-step's forward ends that forward before its next layer (on
+an eager forward: a replayed CUDA graph runs whole), and J counts only the
+sub-steps before it, whose parts may have gone out already: the stopped
+forward wrote K/V only into the slots its rows were given, which the cut
+gives back (the executor's table and the memory service count them as not
+computed), so a cut waits for one layer instead of the rest of a forward.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from executor_service.models import ForwardStopped
 from executor_service.placeholders import PLACEHOLDER
 from executor_service.step import CacheOps, Sampling, StepInput, StepOutput
 from executor_service.tables import Resolved
@@ -161,14 +166,16 @@ OnPart = Callable[[int, StepOutput], None]
 
 
 def run(step: StepInput, groups: list[Resolved], histories: dict,
-        run_one: Callable[[StepInput, Resolved, dict, list[Resolved]], StepOutput],
+        run_one: Callable[[StepInput, Resolved, dict, list[Resolved], Callable[[], bool] | None], StepOutput],
         on_part: OnPart | None = None, stop: Callable[[], bool] | None = None) -> StepOutput:
     """A checked, resolved and committed burst: ``run_one`` (the executor's
-    one-forward step: cache ops, forward, sampling) on each sub-step while any
-    row has tokens left, each fed what the one before sampled; ``on_part``
-    hears of every sub-step but the last as it ends (the last one's samples
-    are in the returned whole). ``stop``: asked after each sub-step but the
-    last, before its part goes out; true cuts the burst short there."""
+    one-forward step: cache ops, forward, sampling; its last argument asked
+    before each layer, ``models.ForwardStopped`` when it said stop) on each
+    sub-step while any row has tokens left, each fed what the one before
+    sampled; ``on_part`` hears of every sub-step but the last as it ends (the
+    last one's samples are in the returned whole). ``stop``: asked after each
+    sub-step but the last, before its part goes out, and before each layer
+    of every sub-step but the first; true cuts the burst short there."""
     q = step.query_lens
     tokens = step.token_ids[row_starts(q)[:-1]]  # every row's first token
     parts: list[tuple[np.ndarray, StepOutput]] = []
@@ -176,7 +183,10 @@ def run(step: StepInput, groups: list[Resolved], histories: dict,
     last = int(q.max()) - 1 if len(q) else -1
     for j in range(last + 1):
         sub, (head, *rest), rows = sub_step(step, groups, j, tokens)
-        out = run_one(sub, head, histories if j == 0 else {}, rest)
+        try:  # sub-step 0 (the whole step's cache ops, penalties, top logprobs) always runs
+            out = run_one(sub, head, histories if j == 0 else {}, rest, stop if j else None)
+        except ForwardStopped:
+            break  # cut between two layers of sub-step j: j ran (it wrote only slots now given back)
         parts.append((rows, out))
         forward_s += out.forward_s
         sample_s += out.sample_s

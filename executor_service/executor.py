@@ -8,6 +8,7 @@ about policy and never imports grpc; errors are ``kvpager.errors`` types.
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
@@ -30,15 +31,10 @@ from executor_service.greedy import greedy_only, greedy_tokens
 from executor_service.kv_layout import make_layout, pool_tokens
 from executor_service.kv_pool import GIB, KvPool, block_bytes, num_blocks_for_bytes
 from executor_service.model_runner import ModelRunner, resolve_device
+from executor_service.models import ForwardStopped
 from executor_service.sampler import sample
-from executor_service.step import (
-    PoolLimits,
-    StepInput,
-    StepOutput,
-    build_forward_batch,
-    build_sampling_inputs,
-    check_step,
-)
+from executor_service.step import (PoolLimits, StepInput, StepOutput, build_forward_batch, build_sampling_inputs,
+                                   check_step)
 from executor_service.tables import BlockTables, Resolved, TableChanges
 from executor_service.write_log import WriteLog
 from kvpager.errors import InvalidArgument, ResourceExhausted
@@ -123,8 +119,6 @@ class Executor:
         self.device = self.runner.device
         self.backend = load_backend(_backend_name(config.attention_backend, self.device))
         if self.backend.name == "triton" and self.device.type != "cuda":
-            import os
-
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError("the triton backend on CPU needs TRITON_INTERPRET=1 (tests only)")
         self.max_model_len = sizing.asked_model_len(self.runner.max_model_len, config.max_model_len)
@@ -256,11 +250,10 @@ class Executor:
         return confirmed, last, written
 
     def request_cut(self, step_id: int) -> None:
-        """Cut the decode burst ``step_id`` short after the sub-step it is in
-        (or its first, when it has not started): a step waits behind it. From
-        any thread; a step that is not a running burst ignores it. An executor
-        with a table per KV group never cuts (a window may have passed the
-        slots a cut would give back)."""
+        """Cut the decode burst ``step_id`` short (between sub-steps, or before a
+        later sub-step's next layer: burst.run), a step waits behind it. From any
+        thread; a step that is not a running burst ignores it. An executor with a
+        table per KV group never cuts (a window may pass the slots a cut gives back)."""
         if not self.group_tables:
             self._cut_step = step_id
 
@@ -337,7 +330,9 @@ class Executor:
             out.append(tables.resolve(step.table_epoch, merged, step.seq_ids, step.query_lens, step.context_lens))
         return out
 
-    def _run(self, step: StepInput, resolved: Resolved, histories: dict, extra: list[Resolved]) -> StepOutput:
+    def _run(self, step: StepInput, resolved: Resolved, histories: dict, extra: list[Resolved],
+             stop=None) -> StepOutput:
+        """One forward and its sampling. ``stop``: asked before each layer (a burst's later sub-steps, burst.run)."""
         ops = step.cache_ops
         t0 = time.perf_counter()
         if ops.num_ops:
@@ -351,9 +346,14 @@ class Executor:
         sampling = step.sampling
         if num_tokens:
             batch = build_forward_batch(step, resolved, self.device, [resolved, *extra] if extra else None)
+            batch.stop = stop
             graphed = self.graphs is not None and self.graphs.fits(batch)
-            logits = (self.graphs.replay(batch) if graphed else
-                      self.runner.forward(batch, self._kv_caches, self.backend, self._layer_groups))  # [R, V]
+            try:
+                logits = (self.graphs.replay(batch) if graphed else
+                          self.runner.forward(batch, self._kv_caches, self.backend, self._layer_groups))  # [R, V]
+            except ForwardStopped:
+                metrics.FORWARDS.labels(self.executor_id, "stopped").inc()
+                raise
             self._sync()
             metrics.FORWARDS.labels(self.executor_id, "graph" if graphed else "eager").inc()
         t2 = time.perf_counter()

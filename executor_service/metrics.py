@@ -40,7 +40,8 @@ BURSTS_CUT = Counter("kvpager_executor_bursts_cut_total",
                      "Decode bursts cut short because a step was waiting behind them.", ["executor_id"], registry=REG)
 FAILED_STEPS = Counter("kvpager_executor_failed_steps_total", "Steps that failed after validation.", ["executor_id", "reason"], registry=REG)
 FORWARDS = Counter(
-    "kvpager_executor_forwards_total", "Model forwards, by how they ran: a replayed decode CUDA graph or eagerly.",
+    "kvpager_executor_forwards_total", "Model forwards, by how they ran: a replayed decode CUDA graph, eagerly, "
+    "or stopped between layers (a burst cut during the forward).",
     ["executor_id", "mode"], registry=REG)
 CUDA_GRAPHS = Gauge(
     "kvpager_executor_cuda_graphs", "Decode batch sizes captured as CUDA graphs (0: every step runs eagerly).",

@@ -9,6 +9,7 @@ computed only for the rows that are sampled (``logits_to_keep``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,9 @@ class ForwardBatch:
     # Per table group of the KV layout (group 0 = block_tables / slot_mapping).
     group_block_tables: list[torch.Tensor] | None = None  # [S, MB_g] int32 each
     group_slot_mappings: list[torch.Tensor] | None = None  # [T] int32 each
+    # Asked before each layer; true ends the forward there (models.ForwardStopped). A decode
+    # burst's later sub-steps carry it, so a cut waits for one layer, not the rest of a forward.
+    stop: Callable[[], bool] | None = None
 
     def tables_of(self, group: int) -> torch.Tensor:
         return self.block_tables if self.group_block_tables is None else self.group_block_tables[group]

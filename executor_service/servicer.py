@@ -212,7 +212,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
             await self._handed_over(request.step_id)  # a step waiting for this one fails fast, not by timeout
             raise
         if request.cut_prev and step.prev_step_id:
-            executor.request_cut(step.prev_step_id)  # this step waits one sub-step, not the rest of the burst
+            executor.request_cut(step.prev_step_id)  # this step waits a layer or so, not the rest of the burst
         if step.prev_step_id and self._submitted < step.prev_step_id:
             # Planned while its previous step ran: queue behind that step, which
             # another call is bringing (the gateway sent it first).

@@ -150,8 +150,8 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
                         "model whose one-token forward takes longer does not burst)")
     g.add_argument("--no-cut-bursts", dest="cut_bursts", action="store_false",
                    help="let a decode burst run to its end when a request arrives (default: the burst ends "
-                        "after the forward it is in, the request's prefill runs next, and the tokens it did "
-                        "not sample are given back)")
+                        "before the next layer of the forward it is in, the request's prefill runs next, and "
+                        "the tokens it did not sample are given back)")
     g.add_argument("--no-plan-ahead", dest="plan_ahead", action="store_false",
                    help="plan each step only after the previous one returned (default: the next step of an "
                         "executor is planned and sent while its current one runs)")

@@ -75,6 +75,7 @@ class HFModel:
             layer_windows=self.windows,
             layer_groups=groups,
             plans=plans,
+            stop=batch.stop,
         )
         out = self.model(
             input_ids=batch.input_ids.unsqueeze(0),      # [1, T]

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from executor_service.attention import attend, plan_windows
 from executor_service.linear import Linear, fused
+from executor_service.models import check_stop
 
 if TYPE_CHECKING:
     from executor_service.attention import KernelBackend
@@ -184,6 +185,7 @@ class LlamaModel:
         first = self.layers[0]
         x = ops.rms_norm(h, first.in_norm, first.in_eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            check_stop(batch.stop, i)
             out = layer.forward(h, x, cos, sin, batch, kv, ops, plans, groups[i])
             if i + 1 < len(self.layers):
                 nxt = self.layers[i + 1]

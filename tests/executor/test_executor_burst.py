@@ -165,16 +165,24 @@ def test_stream_of_a_plain_step_is_one_message(serve, oracle):
 
 
 @pytest.mark.parametrize("streamed", [False, True])
-def test_a_burst_is_cut_short_by_a_step_waiting_behind_it(serve, oracle, streamed):
-    """A step sent with cut_prev while a burst runs ends that burst after the
-    sub-step it is in: the burst returns what it ran (sub_steps_run; parts
-    only of sub-steps that were followed by another), its rows' tables count
-    only what was computed, and every sequence, cut or not, goes on exactly."""
+@pytest.mark.parametrize("heard", ["mid_forward", "between_sub_steps"])
+def test_a_burst_is_cut_short_by_a_step_waiting_behind_it(serve, oracle, streamed, heard):
+    """A step sent with cut_prev while a burst runs ends that burst: heard
+    during a sub-step's forward, before that forward's next layer (the
+    sub-steps before it ran, and each of their parts went out); heard after
+    a forward, before that sub-step's part goes out (it ran: its samples come
+    in the whole). The burst returns what it ran (sub_steps_run), its rows'
+    tables count only what was computed, and every sequence, cut or not,
+    goes on exactly (the stopped forward's K/V writes are overwritten)."""
     import time
+
+    from executor_service import metrics
 
     served = serve(CKPT)
     runner = served.executor.runner
     forward = runner.forward
+    stopped = metrics.FORWARDS.labels(served.executor.executor_id, "stopped")
+    stopped_before = stopped._value.get()
     plan = Plan(served)
     ps = prompts(3, [6, 9, 4], seed=37)
     seqs = [plan.new_seq(p) for p in ps]
@@ -184,9 +192,17 @@ def test_a_burst_is_cut_short_by_a_step_waiting_behind_it(serve, oracle, streame
     items = [(bursting[0], 8), (bursting[1], 3)]
     req = _burst_request(plan, items, 8)
 
-    def slow(*args):
-        time.sleep(0.1)  # a burst of 8 takes 0.8 s: the step behind comes well inside it
-        return forward(*args)
+    def slow(*args):  # a burst of 8 takes 0.8 s: the step behind comes well inside it
+        if heard == "mid_forward":
+            time.sleep(0.1)  # the cut comes now, inside the forward
+            batch = args[0]
+            if batch.stop is not None:  # heard before the second layer: the first has written its K/V
+                ask, layer = batch.stop, iter(range(1 << 30))
+                batch.stop = lambda: next(layer) >= 1 and ask()
+            return forward(*args)
+        logits = forward(*args)
+        time.sleep(0.1)  # after the last layer: only the check between sub-steps hears the cut
+        return logits
 
     runner.forward = slow
     try:
@@ -202,9 +218,10 @@ def test_a_burst_is_cut_short_by_a_step_waiting_behind_it(serve, oracle, streame
         runner.forward = forward
     cut = resp.sub_steps_run
     assert 1 <= cut < 8, cut
-    if streamed:
-        assert [(m.partial, m.sub_step) for m in msgs[:-1]] == [(True, j) for j in range(cut - 1)], msgs
-        # (the cut sub-step's part never went out)
+    if streamed:  # mid-forward: every sub-step that ran sent its part; between: the last one's never went out
+        sent = cut if heard == "mid_forward" else cut - 1
+        assert [(m.partial, m.sub_step) for m in msgs[:-1]] == [(True, j) for j in range(sent)], msgs
+    assert stopped._value.get() - stopped_before == (heard == "mid_forward")
     plan.sent_tables(req, items)
     sampled = list(packed.unpack_i32(resp.sampled_token_ids))
     assert len(sampled) == min(8, cut) + min(3, cut)

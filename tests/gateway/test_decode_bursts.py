@@ -317,8 +317,8 @@ async def test_a_step_planned_while_a_burst_runs_names_it(streamed, oracle):
 @pytest.mark.parametrize("which", ["whole", "streamed"])
 async def test_a_request_arriving_mid_burst_cuts_it_short(stacks, streamed, oracle, which):
     """The step that admits a request arriving mid-burst names the burst and
-    cuts it short: the executor ends it after the forward it is in and runs
-    the prefill next. Both requests get generate's tokens, the cut sequence
+    cuts it short: the executor ends it where it is (between sub-steps, or
+    before the next layer of a forward) and runs the prefill next. Both requests get generate's tokens, the cut sequence
     goes on from where the burst stopped, every block comes back, and the
     tokens it never sampled are counted."""
     given_back = metrics.TOKENS_SAMPLED_AHEAD_CUT._value.get()
