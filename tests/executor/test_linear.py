@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_service.linear import Linear, fused, packable, upcast_bf16
+from executor_service.linear import Linear, bucket_rows, fused, packable, upcast_bf16
 
 
 def expected_mode(dtype):
@@ -15,7 +15,7 @@ def expected_mode(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("rows", [1, 7, 64, 150, 160, 2100])  # 150, 2100: oneDNN on rows padded to a bucket
 def test_linear_matches_f_linear(dtype, rows):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(48, 32, generator=g).to(dtype)
@@ -23,7 +23,7 @@ def test_linear_matches_f_linear(dtype, rows):
     x = torch.randn(rows, 32, generator=g).to(dtype)
     lin = Linear(w, b)
     assert lin.mode == expected_mode(dtype)
-    assert lin(x).dtype == dtype
+    assert lin(x).dtype == dtype and lin(x).shape == (rows, 48) and lin(x).is_contiguous()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(lin(x).float(), F.linear(x, w, b).float(), rtol=tol, atol=tol)
 
@@ -89,3 +89,18 @@ def test_a_weight_the_kernel_does_not_serve_never_reaches_it(monkeypatch):
     for rows in (0, 1, 5):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(lin(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_onednn_row_counts_come_in_at_most_sixteen_buckets_an_octave():
+    """A oneDNN matmul builds (and keeps) a primitive and its buffers per row
+    count: prefill steps of every length made a bf16 executor's memory grow
+    by gigabytes (docs/benchmarks.md). Rows are padded to a bucket: at most
+    16 per octave, at most 15 rows or 1/16 more work."""
+    assert [bucket_rows(r) for r in (0, 1, 16)] == [0, 1, 16]
+    for rows in range(17, 9000):
+        b = bucket_rows(rows)
+        assert rows <= b <= rows + max(15, rows // 16), rows
+        assert bucket_rows(b) == b
+    for lo in (256, 512, 1024, 2048, 4096):
+        assert len({bucket_rows(r) for r in range(lo + 1, 2 * lo + 1)}) == 16
+    assert len({bucket_rows(r) for r in range(17, 2049)}) == 63
