@@ -62,7 +62,7 @@ class AsgiServer:
         sock.set_inheritable(True)
         return sock
 
-    async def start(self) -> HttpServer:
+    async def start(self) -> AsgiServer:
         import uvicorn
 
         self._socket = self._bind()
