@@ -16,8 +16,9 @@ oneDNN builds a primitive per row count and keeps it with its buffers: fed
 prefill steps of every length (17 to 2,048 rows, every third), the 30M
 Llama's bf16 executor grew from 0.6 to 4.5 GB resident, and each new count
 cost its first forward ~20 %. So its rows are padded to ``bucket_rows``
-(16 counts an octave, at most 1/16 more work; warm forwards measured the
-same): 0.9 GB after the same steps.
+(16 counts an octave, at most 15 rows or 1/16 more work): 0.9 GB after the
+same steps. Warm, the 30M model's forwards measured the same; the 0.5B
+model's of 60-150 rows 5-10 % slower (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -111,12 +112,10 @@ class Linear:
         if self.small_rows and x.dim() == 2 and x.shape[0] <= self.small_rows:  # 0: the kernel never serves it
             return packed_gemm.gemm(x, self.weight, self.out_features, self._bias32)
         rows = x.shape[0] if x.dim() == 2 else 0
-        padded = bucket_rows(rows)
-        if padded == rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        xp = x.new_zeros((padded, x.shape[1]))
-        xp[:rows] = x
-        return torch.ops.mkldnn._linear_pointwise(xp, self.weight, self.bias, "none", [], "")[:rows]
+        pad = bucket_rows(rows) - rows  # zero rows at the end; their outputs are dropped
+        y = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, pad)) if pad else x, self.weight, self.bias,
+                                               "none", [], "")
+        return y[:rows] if pad else y
 
     def _upcast(self, x: torch.Tensor) -> torch.Tensor:
         return self._onednn(x.float()).to(self.dtype)
