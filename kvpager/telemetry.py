@@ -10,7 +10,12 @@ Metrics: one ``CollectorRegistry`` per service (``registry(name)``), so a
 service's endpoint shows its own families even when several services share a
 process (tests, the in-process stack). Each service's metrics module
 registers into its own; the RPC metrics exist once per registry
-(``rpc_metrics``), told apart by the ``service`` label.
+(``rpc_metrics``), told apart by the ``service`` label. Every registry also
+carries the process's own families (``process_resident_memory_bytes``,
+``process_cpu_seconds_total``, ``process_start_time_seconds``, open fds;
+``python_gc_*``, ``python_info``), as vLLM's default registry does: an
+operator sees a service's memory grow, and a drill tells a restarted
+process by its start time.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from dataclasses import dataclass
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector, make_wsgi_app)
 
 LOG_FORMATS = ("json", "console")
 _REGISTRIES: dict[str, CollectorRegistry] = {}
@@ -39,6 +45,11 @@ def registry(service: str) -> CollectorRegistry:
         reg = _REGISTRIES.get(service)
         if reg is None:
             reg = _REGISTRIES[service] = CollectorRegistry(auto_describe=True)
+            # the process's own families (empty where /proc is missing): several services in one
+            # process each show it, which is what their endpoints describe
+            ProcessCollector(registry=reg)
+            GCCollector(registry=reg)
+            PlatformCollector(registry=reg)
         return reg
 
 

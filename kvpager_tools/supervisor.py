@@ -18,7 +18,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 
 from kvpager_tools.stack import Stack
 
@@ -64,6 +64,7 @@ class SupervisorMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)  # `kvpager up`'s own process (docs/metrics.md)
         self.restarts = Counter("kvpager_supervisor_restarts", "children restarted after an unexpected exit",
                                 ["child"], registry=self.registry)
         self.up = Gauge("kvpager_supervisor_child_up", "1 while the child process runs", ["child"],

@@ -67,6 +67,10 @@ MOVED = ("kvpager_time_to_first_token_seconds", "kvpager_inter_token_latency_sec
          "kvpager_request_time_per_output_token_seconds", "kvpager_e2e_request_latency_seconds",
          "kvpager_request_queue_time_seconds", "kvpager_request_prompt_tokens", "kvpager_request_generation_tokens")
 PROMPT_TEXT = "Observability secret prompt text"
+# the process's own families, in every service's registry (as in vLLM's default registry)
+PROCESS = {"process_resident_memory_bytes": "gauge", "process_cpu_seconds": "counter",
+           "process_start_time_seconds": "gauge", "process_open_fds": "gauge", "python_gc_collections": "counter",
+           "python_info": "gauge"}
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -136,7 +140,7 @@ async def test_every_service_exposes_its_families_with_the_right_types_after_loa
         r = await scrape(port)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         fams = scraped[service] = families(r.text)
-        for name, kind in expected.items():
+        for name, kind in {**expected, **PROCESS}.items():
             assert name in fams, f"{service} lacks {name}"
             assert fams[name].type == kind, f"{service} {name}: {fams[name].type}, not {kind}"
         others = {"gateway": ("kvpager_kv_", "kvpager_executor_"), "memory": ("kvpager_gateway_", "kvpager_executor_"),
@@ -145,6 +149,16 @@ async def test_every_service_exposes_its_families_with_the_right_types_after_loa
         assert not [n for n in fams if n.startswith("kvpager_kv_kv")]
         assert await _promtool_check(r.text) == ""
     gw, mem, ex = scraped["gateway"], scraped["memory"], scraped["executor"]
+    # the services share this test's process: each shows that process, resident and started before now
+    import os
+    import time
+
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    for fams in (gw, mem, ex):
+        assert 0.5 * rss < value(fams, "process_resident_memory_bytes") < 2 * rss
+        assert value(fams, "process_start_time_seconds") < time.time()
+        assert value(fams, "process_cpu_seconds", "_total") > 0
     # On CPU nothing is captured: every forward ran eagerly.
     assert value(ex, "kvpager_executor_cuda_graphs") == 0
     assert value(ex, "kvpager_executor_forwards", "_total", mode="eager") > 0

@@ -11,6 +11,7 @@ profile's Prometheus. Needs a compose binary, not an engine."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -323,15 +324,18 @@ def test_the_dashboard_has_the_panels_and_charts_only_documented_metrics(config)
     dash = json.loads(DASHBOARD.read_text())
     titles = " | ".join(p["title"] for p in dash["panels"]).lower()
     for want in ("throughput", "time to first token", "inter-token", "running / waiting", "kv cache usage",
-                 "prefix cache hit rate", "preemptions", "sharing saved"):
+                 "prefix cache hit rate", "preemptions", "sharing saved", "resident memory", "cpu by service"):
         assert want in titles, want
     documented = documented_families()
+    docs = (ROOT / "docs" / "metrics.md").read_text()
     datasource = yaml_to_json((ROOT / "docker/grafana/provisioning/datasources/prometheus.yml").read_text())
     uid = datasource["datasources"][0]["uid"]
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
     for panel in dash["panels"]:
         assert panel["datasource"]["uid"] == uid and panel["targets"], panel["title"]
         for target in panel["targets"]:
+            for name in re.findall(r"\bprocess_[a-z_]+", target["expr"]):
+                assert f"`{name.removesuffix('_total')}" in docs, (panel["title"], name)
             for name in metric_names(target["expr"]):
                 base = name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
                 assert base in documented, (panel["title"], name)

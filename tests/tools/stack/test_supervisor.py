@@ -236,6 +236,10 @@ def test_a_killed_executor_is_restarted_and_the_stack_serves_again(up):
     assert _metric(up, "kvpager_supervisor_restarts_total", "executor-0") == 1.0
     assert _metric(up, "kvpager_supervisor_restarts_total", "memory") == 0.0
     assert _metric(up, "kvpager_supervisor_child_up", "executor-0") == 1.0
+    body = urllib.request.urlopen(f"http://127.0.0.1:{up.config.supervisor_metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    rss = re.search(r"^process_resident_memory_bytes (\S+)$", body, re.MULTILINE)
+    assert rss and float(rss.group(1)) > 1e6, body  # `kvpager up`'s own process
     events = [json.loads(line) for line in (up.log_dir / "supervisor.log").read_text().splitlines()]
     assert [(e["event"], e["child"]) for e in events] == [("child exited", "executor-0"),
                                                          ("child restarted", "executor-0")]
