@@ -53,6 +53,18 @@ def test_fuzz(env):
     assert summary["figures"]["generate_examples"] > 0 and summary["figures"]["memory_examples"] > 0
 
 
+def test_soak_reports_each_services_memory(env):
+    # two episode kinds on this stack (no Redis): a few episodes, every child's RSS sampled after each
+    summary = assert_ok(run_drill(env, "soak", duration_s=6.0, episodes="bad-input,cancel"))
+    f = summary["figures"]
+    assert f["episodes"] >= 1 and set(f["by_drill"]) <= {"bad-input", "cancel"}
+    assert set(f["memory"]) == {"memory", "executor-0", "executor-1", "gateway"}
+    for name, m in f["memory"].items():
+        assert m["samples"] == f["episodes"] + 1 and m["processes"] == 1, (name, m)
+        assert 20 < m["start_mib"] <= m["peak_mib"] < 8192, (name, m)
+        assert m["pid"] == env.stack.pid(name)
+
+
 async def _regressions(env) -> None:
     """Requests that used to fail the whole engine step (INTERNAL for every
     request in flight) are now served or refused on their own."""
