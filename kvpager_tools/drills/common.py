@@ -5,6 +5,13 @@ back (memory-service accounting at its baseline: used_blocks 0,
 num_sequences 0, swap free == total), the accounting identities hold, every
 service is alive and SERVING, and nothing wrong was served (greedy outputs
 equal the same request's output on an undisturbed run, ``DrillEnv.reference``).
+
+Outputs are compared only where they are exact: an fp32 executor computes a
+row the same whichever batch it is in; in bf16 or fp16 the rounding moves
+with the batch's shape (for vLLM as for us), and random-weight logits are
+flat enough that a greedy token flips. On such a stack (``DrillEnv.exact``
+False, learned from the executors' ``GetInfo``) the drills count the outputs
+they did not compare (``outputs_not_compared``) and check everything else.
 """
 
 from __future__ import annotations
@@ -213,6 +220,8 @@ class DrillEnv:
     references: dict = dataclasses.field(default_factory=dict)
     clients: Clients | None = None
     rng: random.Random = dataclasses.field(default_factory=random.Random)
+    exact: bool = True  # outputs comparable token for token (module docstring); ``learn_dtype``
+    dtype: str = ""
 
     @property
     def security(self):
@@ -226,6 +235,28 @@ class DrillEnv:
                                admin_token=sec.admin_token if sec else None)
         self.rng = random.Random(self.seed)
         return self.clients
+
+    async def learn_dtype(self) -> None:
+        """``dtype`` and ``exact`` from the first executor that answers ``GetInfo``."""
+        from kvpager.v1 import executor_pb2, executor_pb2_grpc
+
+        sec = self.security
+        for child in self.stack.children:
+            if child.role != "executor":
+                continue
+            async with self.clients.channel(child.address, sec.auth_token if sec else None) as channel:
+                try:
+                    info = await executor_pb2_grpc.ExecutorServiceStub(channel).GetInfo(executor_pb2.GetInfoRequest(),
+                                                                                 timeout=10)
+                except grpc.aio.AioRpcError:
+                    continue
+            self.dtype = info.dtype
+            self.exact = info.dtype == "float32"
+            return
+
+    def not_compared(self, result: DrillResult, count: int = 1) -> None:
+        """Outputs a drill did not compare because the stack's dtype is not exact."""
+        result.figures["outputs_not_compared"] = result.figures.get("outputs_not_compared", 0) + count
 
     async def close(self) -> None:
         if self.clients is not None:
@@ -254,6 +285,9 @@ class DrillEnv:
         key = (tuple(prompt_ids), max_tokens)
         ref = self.references.get(key)
         if out.status != "OK" or ref is None:
+            return
+        if not self.exact:
+            self.not_compared(result)
             return
         result.figures["outputs_compared"] = result.figures.get("outputs_compared", 0) + 1
         if out.first != ref:

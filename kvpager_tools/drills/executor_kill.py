@@ -73,7 +73,8 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
     t_kill = time.perf_counter()
     env.stack.kill(victim, signal.SIGKILL)
     outs = await asyncio.gather(*tasks)
-    streams = survival.tally(result, outs, refs, num_started, t_kill, expect_ok=survivors)
+    streams = survival.tally(result, outs, refs, num_started, t_kill, expect_ok=survivors,
+                             exact=env.exact)
     worst = max((o.ended_s - t_kill for o in outs if o.status != "OK"), default=0.0)
     if worst > opts.unavailable_within_s:
         result.violation(f"a stream of the killed executor ended {worst:.1f}s after the kill "

@@ -110,7 +110,7 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
     restart.add_done_callback(lambda _: figures.setdefault("restart_to_serving_s",
                                                            round(time.perf_counter() - t_kill, 3)))
     outs = await asyncio.gather(*tasks)
-    figures["streams"] = survival.tally(result, outs, refs, num_started, t_kill)
+    figures["streams"] = survival.tally(result, outs, refs, num_started, t_kill, exact=env.exact)
     last = max((o.ended_s - t_kill for o in outs), default=0.0)
     figures["streams"]["last_end_after_kill_s"] = round(last, 3)
     if last > opts.end_within_s:

@@ -121,6 +121,7 @@ async def run_async(env: DrillEnv, module, opts) -> DrillResult:
     env.open()
     t0 = time.monotonic()
     try:
+        await env.learn_dtype()
         result = await module.run(env, opts)
         await env.finish(result)
     finally:

@@ -36,7 +36,8 @@ def test_cancel(env):
 def test_load(env):
     summary = assert_ok(run_drill(env, "load", streams=50, max_tokens=16, compare_outputs=6))
     assert summary["completions"] + summary["failures_by_status"].get("RESOURCE_EXHAUSTED", 0) == 50
-    assert summary["figures"]["outputs_compared"] == 6
+    assert summary["figures"]["outputs_compared"] == 6 and "outputs_not_compared" not in summary["figures"]
+    assert env.exact and env.dtype == "float32"  # learned from the executors' GetInfo
     assert summary["figures"]["latency_p99_ms"] > 0
     assert set(summary["figures"]["memory"]) == {"memory", "executor-0", "executor-1", "gateway"}
 
