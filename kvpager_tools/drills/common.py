@@ -245,9 +245,9 @@ class DrillEnv:
             if child.role != "executor":
                 continue
             async with self.clients.channel(child.address, sec.auth_token if sec else None) as channel:
+                stub = executor_pb2_grpc.ExecutorServiceStub(channel)
                 try:
-                    info = await executor_pb2_grpc.ExecutorServiceStub(channel).GetInfo(executor_pb2.GetInfoRequest(),
-                                                                                 timeout=10)
+                    info = await stub.GetInfo(executor_pb2.GetInfoRequest(), timeout=10)
                 except grpc.aio.AioRpcError:
                     continue
             self.dtype = info.dtype
