@@ -79,6 +79,8 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
         result.record(out.status)
         if not env.exact:
             env.not_compared(result, len(out.tokens))
+        else:
+            result.figures["outputs_compared"] = result.figures.get("outputs_compared", 0) + len(out.tokens)
         for index, tokens in out.tokens.items() if env.exact else ():
             if tokens != refs[k][:len(tokens)]:
                 result.violation(f"{fate} stream (n={n}) completion {index} served tokens that are not the "

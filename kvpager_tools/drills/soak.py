@@ -69,6 +69,9 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
         episode.duration_s = time.monotonic() - t0
         trend.sample()
         result.merge(episode)
+        for key in ("outputs_compared", "outputs_not_compared"):  # bf16/fp16: not compared (common.py)
+            if key in episode.figures:
+                result.figures[key] = result.figures.get(key, 0) + episode.figures[key]
         log.append({"drill": name, "ok": episode.ok, "requests": episode.requests,
                     "duration_s": round(episode.duration_s, 1)})
     counts: dict[str, int] = {}

@@ -59,6 +59,7 @@ def test_soak_reports_each_services_memory(env):
     summary = assert_ok(run_drill(env, "soak", duration_s=6.0, episodes="bad-input,cancel"))
     f = summary["figures"]
     assert f["episodes"] >= 1 and set(f["by_drill"]) <= {"bad-input", "cancel"}
+    assert f["outputs_compared"] >= f["episodes"] and "outputs_not_compared" not in f  # fp32: every episode compares
     assert set(f["memory"]) == {"memory", "executor-0", "executor-1", "gateway"}
     for name, m in f["memory"].items():
         assert m["samples"] == f["episodes"] + 1 and m["processes"] == 1, (name, m)
