@@ -16,9 +16,9 @@ oneDNN builds a primitive per row count and keeps it with its buffers: fed
 prefill steps of every length (17 to 2,048 rows, every third), the 30M
 Llama's bf16 executor grew from 0.6 to 4.5 GB resident, and each new count
 cost its first forward ~20 %. So its rows are padded to ``bucket_rows``
-(16 counts an octave, at most 15 rows or 1/16 more work): 0.9 GB after the
-same steps. Warm, the 30M model's forwards measured the same; the 0.5B
-model's of 60-150 rows 5-10 % slower (docs/benchmarks.md).
+(16 counts an octave, at most 3 rows or 1/16 more work): 0.96 GB after the
+same steps, and warm forwards within ~3 % of unpadded ones
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ def upcast_bf16() -> bool:
 
 def bucket_rows(rows: int) -> int:
     """The row count a oneDNN matmul of ``rows`` rows runs at: rows rounded
-    up to a multiple of 1/32 of their next power of two (at least 16), so at
-    most 16 distinct counts per octave."""
+    up to a multiple of 1/32 of their next power of two (at least 4), so at
+    most 16 distinct counts per octave. (A floor of 16 padded short prefills
+    by 12 % on average: 49 rows ran as 64.)"""
     if rows <= 16:
         return rows
-    step = max(16, (1 << (rows - 1).bit_length()) // 32)
+    step = max(4, (1 << (rows - 1).bit_length()) // 32)
     return -(-rows // step) * step
 
 

@@ -95,12 +95,14 @@ def test_onednn_row_counts_come_in_at_most_sixteen_buckets_an_octave():
     """A oneDNN matmul builds (and keeps) a primitive and its buffers per row
     count: prefill steps of every length made a bf16 executor's memory grow
     by gigabytes (docs/benchmarks.md). Rows are padded to a bucket: at most
-    16 per octave, at most 15 rows or 1/16 more work."""
+    16 per octave, at most 3 rows or 1/16 more work (short prefills are not
+    padded by much: a 49-row step runs as 52, not 64)."""
     assert [bucket_rows(r) for r in (0, 1, 16)] == [0, 1, 16]
     for rows in range(17, 9000):
         b = bucket_rows(rows)
-        assert rows <= b <= rows + max(15, rows // 16), rows
+        assert rows <= b <= rows + max(3, rows // 16), rows
         assert bucket_rows(b) == b
-    for lo in (256, 512, 1024, 2048, 4096):
+    assert [bucket_rows(r) for r in (49, 65, 100, 130, 136, 257)] == [52, 68, 100, 136, 136, 272]
+    for lo in (64, 128, 256, 512, 1024, 2048, 4096):
         assert len({bucket_rows(r) for r in range(lo + 1, 2 * lo + 1)}) == 16
-    assert len({bucket_rows(r) for r in range(17, 2049)}) == 63
+    assert len({bucket_rows(r) for r in range(17, 2049)}) == 92
