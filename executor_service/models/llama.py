@@ -64,42 +64,20 @@ def check_supported(text_config) -> None:
 
 class Rope:
     """Rotary embedding with fixed inverse frequencies (taken from the
-    transformers module, so llama3/yarn/linear scaling come as computed there).
-
-    On CPU a forward gathers its rows from tables of every position up to a
-    power of two past the highest seen (``_tables``, per dtype): two index
-    ops instead of eight small ones, which under load cost a decode forward
-    ~8 % (the thirtieth sitting). Each entry is computed exactly as
-    ``compute`` computes it for that position alone, so the values do not
-    change. On CUDA the forward computes them (no host sync in a captured
-    graph)."""
-
-    MIN_TABLE = 256
+    transformers module, so llama3/yarn/linear scaling come as computed there)."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float) -> None:
         self.inv_freq = inv_freq.detach().float()  # [D / 2]
         self.scaling = float(attention_scaling)
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> cos, sin: [P, D]
 
-    def compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> cos, sin: [T, D] in ``dtype``, as transformers computes them."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, D] in ``dtype``."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D / 2]
         emb = torch.cat((freqs, freqs), dim=-1)                      # [T, D]
         cos, sin = emb.cos(), emb.sin()
         if self.scaling != 1.0:
             cos, sin = cos * self.scaling, sin * self.scaling
         return cos.to(dtype).contiguous(), sin.to(dtype).contiguous()
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> cos, sin: [T, D] in ``dtype``."""
-        if positions.device.type != "cpu" or not len(positions):
-            return self.compute(positions, dtype)
-        top = int(positions.max()) + 1
-        table = self._tables.get(dtype)
-        if table is None or table[0].shape[0] < top:
-            size = max(self.MIN_TABLE, 1 << (top - 1).bit_length())
-            table = self._tables[dtype] = self.compute(torch.arange(size), dtype)
-        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
 class LayerOps:
