@@ -77,14 +77,11 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
     for k, fate, n, out in outs:
         by_fate[fate] += 1
         result.record(out.status)
-        if env.exact:
-            result.figures["outputs_compared"] = result.figures.get("outputs_compared", 0) + len(out.tokens)
-            for index, tokens in out.tokens.items():
-                if tokens != refs[k][:len(tokens)]:
-                    result.violation(f"{fate} stream (n={n}) completion {index} served tokens that are not the "
-                                     f"greedy output's prefix")
-        else:
-            env.not_compared(result, len(out.tokens))
+        result.add("outputs_compared" if env.exact else "outputs_not_compared", len(out.tokens))
+        for index, tokens in out.tokens.items() if env.exact else ():
+            if tokens != refs[k][:len(tokens)]:
+                result.violation(f"{fate} stream (n={n}) completion {index} served tokens that are not the "
+                                 f"greedy output's prefix")
         if out.status == "OK" and fate == "complete" and len(out.first) != opts.max_tokens:
             result.violation(f"completed stream has {len(out.first)} tokens, want {opts.max_tokens}")
     result.forbid(ALLOWED, "streams")

@@ -59,6 +59,10 @@ class DrillResult:
         else:
             self.failures_by_status[status] += 1
 
+    def add(self, figure: str, n: int = 1) -> None:
+        """Adds ``n`` to a counted figure (``outputs_compared`` ...)."""
+        self.figures[figure] = self.figures.get(figure, 0) + n
+
     def violation(self, message: str) -> None:
         if len(self.invariant_violations) < 200:  # bounded: one bug can repeat thousands of times
             self.invariant_violations.append(message)
@@ -254,10 +258,6 @@ class DrillEnv:
             self.exact = info.dtype == "float32"
             return
 
-    def not_compared(self, result: DrillResult, count: int = 1) -> None:
-        """Outputs a drill did not compare because the stack's dtype is not exact."""
-        result.figures["outputs_not_compared"] = result.figures.get("outputs_not_compared", 0) + count
-
     async def close(self) -> None:
         if self.clients is not None:
             await self.clients.close()
@@ -286,10 +286,9 @@ class DrillEnv:
         ref = self.references.get(key)
         if out.status != "OK" or ref is None:
             return
+        result.add("outputs_compared" if self.exact else "outputs_not_compared")
         if not self.exact:
-            self.not_compared(result)
             return
-        result.figures["outputs_compared"] = result.figures.get("outputs_compared", 0) + 1
         if out.first != ref:
             result.violation(f"wrong output for a {len(prompt_ids)}-token prompt: got {out.first[:8]}... "
                              f"want {ref[:8]}...")

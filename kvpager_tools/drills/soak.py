@@ -71,7 +71,7 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
         result.merge(episode)
         for key in ("outputs_compared", "outputs_not_compared"):  # bf16/fp16: not compared (common.py)
             if key in episode.figures:
-                result.figures[key] = result.figures.get(key, 0) + episode.figures[key]
+                result.add(key, episode.figures[key])
         log.append({"drill": name, "ok": episode.ok, "requests": episode.requests,
                     "duration_s": round(episode.duration_s, 1)})
     counts: dict[str, int] = {}

@@ -97,8 +97,7 @@ def tally(result: DrillResult, outs: list[Stream], refs: list[dict[int, list[int
             if expect_ok:
                 result.violation(f"a stream failed: {out.status}: {out.details}")
             continue
-        key = "outputs_compared" if exact else "outputs_not_compared"
-        result.figures[key] = result.figures.get(key, 0) + 1
+        result.add("outputs_compared" if exact else "outputs_not_compared")
         if exact and out.tokens != ref:
             first = next(i for i in sorted(ref) if out.tokens.get(i) != ref[i])
             result.violation(f"completion {first} differs from its undisturbed run: got "
