@@ -10,6 +10,7 @@ measured in the same run.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import math
 import os
@@ -511,6 +512,30 @@ async def _sender(target: Target, ignore_eos: bool, cache_salt: str, seed: int, 
         await client.close()
 
 
+# A stream's token from the same step as another's first token may be read just after it.
+SAME_STEP_S = 0.3e-3
+
+
+def prefill_stalls(records: list[RequestRecord]) -> list[float]:
+    """The inter-token gaps (seconds) of the streams already running when
+    another request's first token came: each such stream's gap that spans
+    it. What a prefill costs the streams beside it: about one step where
+    the engine computes prefills and decodes in one forward (vLLM), more
+    where a prefill runs alone and the decodes wait for it."""
+    running = sorted((r.chunk_s for r in records if len(r.chunk_s) > 1), key=lambda c: c[0])
+    firsts = [r.first_s for r in records if r.first_s is not None]
+    out = []
+    for f in firsts:
+        for chunks in running:
+            if chunks[0] >= f - SAME_STEP_S:
+                break  # sorted by their first token: none of the rest was streaming yet
+            if chunks[-1] <= f + SAME_STEP_S:
+                continue  # ended before it
+            i = bisect.bisect_left(chunks, f - SAME_STEP_S)
+            out.append(chunks[i] - chunks[i - 1])
+    return out
+
+
 def load_metrics(result: LoadResult, slo_ms: dict[str, float] | None = None) -> dict:
     """Throughput, latency summaries and goodput of one load run."""
     ok = [r for r in result.records if r.ok]
@@ -528,6 +553,8 @@ def load_metrics(result: LoadResult, slo_ms: dict[str, float] | None = None) -> 
         "ttft_ms": summary_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_ms": summary_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": summary_ms(itl),
+        # Running streams' gaps across another request's first token (prefill_stalls).
+        "prefill_stall_ms": summary_ms(prefill_stalls(ok)),
         "e2e_ms": summary_ms([r.e2e_s for r in ok]),
         "peak_concurrency": result.peak_concurrency,
         "cached_prompt_tokens": sum(r.cached_tokens for r in ok),

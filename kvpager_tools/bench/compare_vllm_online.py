@@ -73,8 +73,10 @@ def vllm_server(python: Path, model: str, dtype: str, *, max_model_len: int, max
         end_process_group(proc, grace_s=30)  # its API process's engine core and worker too
 
 
-# Per-round latency figures: medians and tails over the round's requests (ITL: over its tokens).
-LATENCY_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms", "ttft_p99_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_p99_ms")
+# Per-round latency figures: medians and tails over the round's requests (ITL: over its tokens; the
+# prefill stall: over running streams' gaps across another request's first token, bc.prefill_stalls).
+LATENCY_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms", "ttft_p99_ms", "tpot_p99_ms", "itl_p99_ms", "e2e_p99_ms",
+                "prefill_stall_ms")
 
 
 def _round(base_url: str, requests: list[bc.BenchRequest], salt: str, sampling: bc.BenchSampling,
@@ -92,7 +94,8 @@ def _round(base_url: str, requests: list[bc.BenchRequest], salt: str, sampling: 
             "output_tokens": m["output_tokens"], "ttft_ms": m["ttft_ms"]["median"],
             "tpot_ms": m["tpot_ms"]["median"], "e2e_ms": m["e2e_ms"]["median"],
             "ttft_p99_ms": m["ttft_ms"]["p99"], "tpot_p99_ms": m["tpot_ms"]["p99"], "itl_p99_ms": m["itl_ms"]["p99"],
-            "e2e_p99_ms": m["e2e_ms"]["p99"], "peak_concurrency": m["peak_concurrency"],
+            "e2e_p99_ms": m["e2e_ms"]["p99"], "prefill_stall_ms": m["prefill_stall_ms"]["median"],
+            "peak_concurrency": m["peak_concurrency"],
             "cached_prompt_tokens": m["cached_prompt_tokens"]}
 
 

@@ -208,7 +208,8 @@ def render(runs: list[dict], config: dict):
     row("request throughput (req/s)", lambda r: r["request_throughput"])
     row("output throughput (tok/s)", lambda r: r["output_throughput"])
     row("total throughput (tok/s)", lambda r: r["total_token_throughput"])
-    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"),
+                       ("prefill_stall_ms", "prefill stall")):
         for stat in ("mean", "median", "p99"):
             row(f"{label} {stat} (ms)", lambda r, k=key, s=stat: r[k][s])
     if any("goodput" in r for r in runs):

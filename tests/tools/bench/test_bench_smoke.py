@@ -45,6 +45,23 @@ def test_datasets_and_stats():
     assert bc.arrival_offsets(3, float("inf"), 0) == [0.0, 0.0, 0.0]
 
 
+
+def test_prefill_stalls_are_the_running_streams_gaps_across_a_first_token():
+    def rec(chunks_ms: list[float]) -> bc.RequestRecord:
+        chunks = [c / 1e3 for c in chunks_ms]
+        return bc.RequestRecord(prompt_len=8, max_tokens=len(chunks), start_s=0.0, first_s=chunks[0],
+                                end_s=chunks[-1], chunk_s=chunks, num_out=len(chunks))
+
+    running = rec([0, 2, 4, 20, 22])    # a prefill ran alone from 4 to 20 ms
+    after = rec([20.1, 22.1, 24])        # its first token, read just after running's token of the same step
+    before = rec([19.9, 22.2])           # another, read just before it
+    ended = rec([0, 1, 3])               # done before either came
+    assert bc.prefill_stalls([running, after, before, ended]) == pytest.approx([0.016, 0.016])
+    # Only streams that had begun: those two first tokens came in one step, neither stalls the other.
+    assert bc.prefill_stalls([after, before]) == []
+    result = bc.LoadResult(records=[running, after], start_s=0.0, end_s=1.0, peak_concurrency=2)
+    assert bc.load_metrics(result)["prefill_stall_ms"]["median"] == pytest.approx(16.0)
+
 def test_serve(stack, tmp_path):
     from kvpager_tools.bench.serve import plot, serve
 

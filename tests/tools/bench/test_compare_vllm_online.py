@@ -138,7 +138,8 @@ def test_online_rounds_at_a_request_rate(stack):
     at_once = interleaved_rounds({"c": url}, requests, 1, settle_s=0.05, salt="rate-once-")
     for r in rounds["a"] + rounds["b"]:
         assert r["output_tokens"] == 3 * n and r["wall_s"] >= last
-        assert all(r[k] is not None and r[k] > 0 for k in LATENCY_KEYS)
+        # The prefill stall needs a stream running when another's first token comes: this load may have none.
+        assert all(r[k] is not None and r[k] > 0 for k in LATENCY_KEYS if k != "prefill_stall_ms")
         assert r["ttft_p99_ms"] >= r["ttft_ms"] and r["e2e_p99_ms"] >= r["e2e_ms"]
     assert at_once["c"][0]["peak_concurrency"] == n
-    assert set(_summary(rounds["a"])) == {"tok_s", *LATENCY_KEYS}
+    assert set(_summary(rounds["a"])) - {"prefill_stall_ms"} == {"tok_s", *LATENCY_KEYS} - {"prefill_stall_ms"}
