@@ -45,7 +45,6 @@ def test_datasets_and_stats():
     assert bc.arrival_offsets(3, float("inf"), 0) == [0.0, 0.0, 0.0]
 
 
-
 def test_prefill_stalls_are_the_running_streams_gaps_across_a_first_token():
     def rec(chunks_ms: list[float]) -> bc.RequestRecord:
         chunks = [c / 1e3 for c in chunks_ms]
@@ -61,6 +60,7 @@ def test_prefill_stalls_are_the_running_streams_gaps_across_a_first_token():
     assert bc.prefill_stalls([after, before]) == []
     result = bc.LoadResult(records=[running, after], start_s=0.0, end_s=1.0, peak_concurrency=2)
     assert bc.load_metrics(result)["prefill_stall_ms"]["median"] == pytest.approx(16.0)
+
 
 def test_serve(stack, tmp_path):
     from kvpager_tools.bench.serve import plot, serve
