@@ -183,29 +183,16 @@ class ThreadTuner:
 
     Two things keep noise from moving a class off the preferred count (on
     the 2-core EPYC, 3 of every round's 67 steps ran on one thread, each up
-    to 1.6x slower): the first step of each shape on each thread count is
-    not timed (oneDNN builds its kernels for a new shape then: that step
+    to 1.6x slower): the first step of each token count on each thread count
+    is not timed (oneDNN builds its kernels for a new shape then: that step
     took 28 ms where the next took 12), and another count is chosen only
     when it is clearly faster (``margin``: its average below that fraction
     of the preferred count's; load makes it 3-6x faster, noise a few %).
-
-    ``shape``: what a step of n tokens runs as, the rows oneDNN is given
-    (``linear.bucket_rows``). Keyed by the token count itself, a class of
-    prefills (their lengths rarely repeat) had its explorations of one
-    thread never timed, so the count stayed untried and every slowdown
-    explored it again: on the 2-core EPYC at 8 requests/s, 41 of 360
-    prefills ran on one thread, 22.6 ms median against 13.6, none of them
-    timed (keyed by shape: 11 of 358). A non-preferred count's untimed
-    first try also leaves its time as the count's first average (an
-    over-estimate: a reason not to switch, never one to switch) until a
-    timed step replaces it.
     """
 
     def __init__(self, candidates: tuple[int, ...], explore_every: int = 64, slowdown: float = 1.3,
-                 alpha: float = 0.3, margin: float = 0.85, quiet_backoff: int = 8,
-                 shape: Callable[[int], int] = lambda num_tokens: num_tokens) -> None:
+                 alpha: float = 0.3, margin: float = 0.85, quiet_backoff: int = 8) -> None:
         self.candidates = tuple(dict.fromkeys(candidates))
-        self.shape = shape
         self.explore_every = explore_every
         self.slowdown = slowdown
         self.alpha = alpha
@@ -216,7 +203,7 @@ class ThreadTuner:
         self._latest: dict[tuple[int, int], float] = {}  # its last timed step
         self._seen: dict[int, int] = {}                # steps per size class
         self._exploring: tuple[int, int] | None = None  # the (class, threads) a choice went to try
-        self._warm: set[tuple[int, int]] = set()       # (shape, threads) run once already
+        self._warm: set[tuple[int, int]] = set()       # (tokens, threads) run once already
         self._retry: dict[int, int] = {}               # class -> a count its next step tries (see record)
         self._retried: set[int] = set()                # classes whose last exploration was retried
         self._last: dict[int, int] = {}                # class -> its step count at its last exploration
@@ -276,11 +263,8 @@ class ThreadTuner:
         seconds /= max(num_tokens, 1)
         key = (size, threads)
         explored, self._exploring = self._exploring == key, None
-        shape = (self.shape(num_tokens), threads)
-        if shape not in self._warm:
-            self._warm.add(shape)
-            if explored and threads != self.candidates[0]:
-                self._ema.setdefault(key, seconds)  # tried: an over-estimate until a timed step replaces it
+        if (num_tokens, threads) not in self._warm:
+            self._warm.add((num_tokens, threads))
             if explored and size not in self._retried:
                 self._retry[size] = threads
                 self._retried.add(size)

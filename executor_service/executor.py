@@ -30,7 +30,6 @@ from executor_service.cpu import (CoreBinding, ThreadTuner, allowed_cores, bind_
 from executor_service.greedy import greedy_only, greedy_tokens
 from executor_service.kv_layout import make_layout, pool_tokens
 from executor_service.kv_pool import GIB, KvPool, block_bytes, num_blocks_for_bytes
-from executor_service.linear import bucket_rows
 from executor_service.model_runner import ModelRunner, resolve_device
 from executor_service.models import ForwardStopped
 from executor_service.sampler import sample
@@ -95,7 +94,7 @@ class Executor:
         self.config = config
         keep_freed_memory()
         on_cpu = resolve_device(config.device).type == "cpu"
-        self.threads = ThreadTuner(thread_candidates() if on_cpu else (torch.get_num_threads(),), shape=bucket_rows)
+        self.threads = ThreadTuner(thread_candidates() if on_cpu else (torch.get_num_threads(),))
         bind = on_cpu and config.cpu_bind
         self.cores = CoreBinding(allowed_cores(), bind, bind_team_op() if bind else None)
         # Load on one OpenMP thread. Servers build the executor on a loader

@@ -4,12 +4,7 @@ appears, all cores again soon after it goes; neither a shape's first
 
 from __future__ import annotations
 
-import random
-
-import pytest
-
 from executor_service.cpu import ThreadTuner
-from executor_service.linear import bucket_rows
 
 
 def run(tuner: ThreadTuner, steps: int, times: dict[int, float], num_tokens: int = 32) -> list[int]:
@@ -172,41 +167,3 @@ def test_a_fast_step_after_a_slow_one_is_not_a_slowdown():
         tuner.record(149, t, seconds if t == 2 else 0.040)
         chosen.append(t)
     assert chosen == [2] * 6
-
-
-def prefill_class(tuner: ThreadTuner, steps: int, per_token_ms: dict[int, float], seed: int,
-                  noise: float = 0.25) -> list[int]:
-    """Prefills of 129-255 tokens (one size class, lengths rarely repeating),
-    each ``(2.5 ms + per_token_ms x tokens)`` times a lognormal load factor,
-    a oneDNN row bucket's first step on a count 1.5x slower: what an
-    executor's prefill class met at 8 requests/s."""
-    rng = random.Random(seed)
-    cold: set[tuple[int, int]] = set()
-    chosen = []
-    for _ in range(steps):
-        tokens = rng.randrange(129, 256)
-        t = tuner.choose(tokens)
-        first = (bucket_rows(tokens), t) not in cold
-        cold.add((bucket_rows(tokens), t))
-        ms = (2.5 + per_token_ms[t] * tokens) * rng.lognormvariate(0, noise) * (1.5 if first else 1.0)
-        tuner.record(tokens, t, ms / 1e3)
-        chosen.append(t)
-    return chosen
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_prefills_of_lengths_that_rarely_repeat_rarely_explore(seed):
-    # Keyed by token counts, one thread's tries were never timed (each a new
-    # length), so it stayed untried and every slowdown of the noisy preferred
-    # count tried it again: 13-42 of 360 such prefills ran on one thread.
-    tuner = ThreadTuner((2, 1), shape=bucket_rows)
-    chosen = prefill_class(tuner, 360, {2: 0.07, 1: 0.105}, seed)
-    assert chosen.count(1) <= 2 * (360 // tuner.explore_every), chosen  # explorations and their retries only
-
-
-def test_under_load_prefills_of_new_lengths_still_move_to_one_thread():
-    tuner = ThreadTuner((2, 1), shape=bucket_rows)
-    chosen = prefill_class(tuner, 3 * tuner.explore_every, {2: 0.42, 1: 0.14}, seed=0, noise=0.05)
-    first_one = chosen.index(1)
-    assert first_one <= tuner.explore_every
-    assert chosen[first_one:].count(2) <= 3
