@@ -80,8 +80,10 @@ async def run(env: DrillEnv, opts: Options) -> DrillResult:
         result.add("outputs_compared" if env.exact else "outputs_not_compared", len(out.tokens))
         for index, tokens in out.tokens.items() if env.exact else ():
             if tokens != refs[k][:len(tokens)]:
+                at = next(i for i, (g, w) in enumerate(zip(tokens, refs[k])) if g != w)
                 result.violation(f"{fate} stream (n={n}) completion {index} served tokens that are not the "
-                                 f"greedy output's prefix")
+                                 f"greedy output's prefix: first difference at token {at}, got {list(tokens)} "
+                                 f"want {refs[k][:len(tokens)]} prompt {prompts[k]}")
         if out.status == "OK" and fate == "complete" and len(out.first) != opts.max_tokens:
             result.violation(f"completed stream has {len(out.first)} tokens, want {opts.max_tokens}")
     result.forbid(ALLOWED, "streams")

@@ -290,8 +290,10 @@ class DrillEnv:
         if not self.exact:
             return
         if out.first != ref:
-            result.violation(f"wrong output for a {len(prompt_ids)}-token prompt: got {out.first[:8]}... "
-                             f"want {ref[:8]}...")
+            # The whole of both outputs and the prompt: a rare divergence must be reproducible from the message.
+            at = next((i for i, (g, w) in enumerate(zip(out.first, ref)) if g != w), min(len(out.first), len(ref)))
+            result.violation(f"wrong output for a {len(prompt_ids)}-token prompt, first difference at token {at}: "
+                             f"got {list(out.first)} want {list(ref)} prompt {list(prompt_ids)}")
 
     # --- the checks every drill ends with ---
 
