@@ -19,15 +19,18 @@ so the gateway streams tokens the moment they are sampled).
 
 A burst may be cut short (``stop``: a later step is waiting behind it, sent
 with ``cut_prev``): J sub-steps run, and row i returns min(query_lens[i], J)
-samples, its last one the next token to compute. A cut heard between two
+samples. Sub-step J, for the rows still going in it, is then carried into
+the step that cut it, which computes it in its own forward
+(executor_service.carry): the tables count those rows' J + 1 tokens as
+computed, and give back the slots past them. A cut heard between two
 sub-steps ends the burst before the finished one's samples go out as a
 part (J counts it: its samples come in the whole response); one heard
 during a sub-step's forward ends that forward before its next layer (on
 an eager forward: a replayed CUDA graph runs whole), and J counts only the
 sub-steps before it, whose parts may have gone out already: the stopped
-forward wrote K/V only into the slots its rows were given, which the cut
-gives back (the executor's table and the memory service count them as not
-computed), so a cut waits for one layer instead of the rest of a forward.
+forward wrote K/V only into the slots of its rows' next token, which the
+carried sub-step writes again, so a cut waits for one layer instead of the
+rest of a forward.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from executor_service.carry import Carry, subset_sampling
 from executor_service.models import ForwardStopped
 from executor_service.placeholders import PLACEHOLDER
-from executor_service.step import CacheOps, Sampling, StepInput, StepOutput
+from executor_service.step import CacheOps, StepInput, StepOutput
 from executor_service.tables import Resolved
 from kvpager.errors import InvalidArgument
 
@@ -82,26 +86,6 @@ def check_burst(step: StepInput) -> None:
                               "logprobs or penalties")
 
 
-def _subset_sampling(s: Sampling, rows: np.ndarray) -> Sampling:
-    """The columns of ``rows`` (every one samples one token: seeds are per row)."""
-    def pick(a):
-        return None if a is None else a[rows]
-
-    bias_offsets = bias_ids = bias_values = None
-    if s.bias_offsets is not None:
-        lo, hi = s.bias_offsets[rows], s.bias_offsets[rows + 1]
-        lens = (hi - lo).astype(np.int64)
-        take = np.repeat(lo.astype(np.int64) - np.concatenate(([0], np.cumsum(lens)[:-1])), lens) \
-            + np.arange(int(lens.sum()))
-        bias_offsets = np.concatenate(([0], np.cumsum(lens))).astype(np.int32)
-        bias_ids, bias_values = s.bias_token_ids[take], s.bias_values[take]
-    return Sampling(
-        num_samples=s.num_samples[rows], temperature=s.temperature[rows], top_p=s.top_p[rows],
-        top_k=s.top_k[rows], seeds=s.seeds[rows], num_top_logprobs=s.num_top_logprobs[rows],
-        return_logprobs=s.return_logprobs, min_p=pick(s.min_p),
-        bias_offsets=bias_offsets, bias_token_ids=bias_ids, bias_values=bias_values)
-
-
 def sub_step(step: StepInput, groups: list[Resolved], j: int, tokens: np.ndarray
              ) -> tuple[StepInput, list[Resolved], np.ndarray]:
     """Sub-step j of a checked, resolved burst: the rows still going
@@ -117,7 +101,7 @@ def sub_step(step: StepInput, groups: list[Resolved], j: int, tokens: np.ndarray
         step, seq_ids=step.seq_ids[rows], query_lens=one, token_ids=np.ascontiguousarray(tokens, np.int32),
         context_lens=None, decode_steps=0, prev_step_id=0,
         cache_ops=step.cache_ops if j == 0 else CacheOps(),
-        sampling=step.sampling if j == 0 else _subset_sampling(step.sampling, rows))
+        sampling=step.sampling if j == 0 else subset_sampling(step.sampling, rows))
     views = [Resolved(reset=r.reset, epoch=r.epoch, staged={}, row_ids=r.row_ids[rows],
                       context_lens=r.context_lens[rows] + j, tables=r.tables[rows],
                       slot_mapping=r.slot_mapping[at])
@@ -156,6 +140,16 @@ def run_lens(step: StepInput, out: StepOutput) -> np.ndarray:
     return np.minimum(q, out.sub_steps_run).astype(q.dtype) if out.sub_steps_run else q
 
 
+def computed_lens(step: StepInput, out: StepOutput) -> np.ndarray:
+    """int32 [n]: the tokens each row's table counts as computed: those it
+    ran, and one more where its next sub-step was carried into the step
+    that cut the burst (executor_service.carry)."""
+    lens = run_lens(step, out)
+    if out.sub_step_carried:
+        lens = lens + (step.query_lens > out.sub_steps_run).astype(lens.dtype)
+    return lens
+
+
 def last_samples(step: StepInput, out: StepOutput) -> np.ndarray:
     """int32 [n]: each row's last sample (what a step planned ahead feeds it)."""
     return out.sampled_token_ids[row_starts(run_lens(step, out))[1:] - 1]
@@ -167,7 +161,7 @@ OnPart = Callable[[int, StepOutput], None]
 
 def run(step: StepInput, groups: list[Resolved], histories: dict,
         run_one: Callable[[StepInput, Resolved, dict, list[Resolved], Callable[[], bool] | None], StepOutput],
-        on_part: OnPart | None = None, stop: Callable[[], bool] | None = None) -> StepOutput:
+        on_part: OnPart | None = None, stop: Callable[[], bool] | None = None) -> tuple[StepOutput, Carry | None]:
     """A checked, resolved and committed burst: ``run_one`` (the executor's
     one-forward step: cache ops, forward, sampling; its last argument asked
     before each layer, ``models.ForwardStopped`` when it said stop) on each
@@ -175,25 +169,35 @@ def run(step: StepInput, groups: list[Resolved], histories: dict,
     sampled; ``on_part`` hears of every sub-step but the last as it ends (the
     last one's samples are in the returned whole). ``stop``: asked after each
     sub-step but the last, before its part goes out, and before each layer
-    of every sub-step but the first; true cuts the burst short there."""
+    of every sub-step but the first; true cuts the burst short there, and
+    the sub-step it would have run next is returned, to be carried into the
+    step that cut it (executor_service.carry; None: not cut, or on an
+    executor with a table per KV group, which never cuts)."""
     q = step.query_lens
     tokens = step.token_ids[row_starts(q)[:-1]]  # every row's first token
     parts: list[tuple[np.ndarray, StepOutput]] = []
     forward_s = sample_s = cache_ops_s = 0.0
     last = int(q.max()) - 1 if len(q) else -1
+    carry = None
     for j in range(last + 1):
         sub, (head, *rest), rows = sub_step(step, groups, j, tokens)
         try:  # sub-step 0 (the whole step's cache ops, penalties, top logprobs) always runs
             out = run_one(sub, head, histories if j == 0 else {}, rest, stop if j else None)
         except ForwardStopped:
-            break  # cut between two layers of sub-step j: j ran (it wrote only slots now given back)
+            # Cut between two layers of sub-step j: j ran (it wrote only its own slots); the step that cut it runs j.
+            carry = None if rest else Carry(step.step_id, sub, head)
+            break
         parts.append((rows, out))
         forward_s += out.forward_s
         sample_s += out.sample_s
         cache_ops_s += out.cache_ops_s
+        tokens = out.sampled_token_ids[q[rows] > j + 1]  # the rows that feed their sample into sub-step j + 1
         if j < last and stop is not None and stop():
+            nxt, (view, *rest), _ = sub_step(step, groups, j + 1, tokens)
+            carry = None if rest else Carry(step.step_id, nxt, view)  # the step that cut it runs j + 1
             break
         if on_part is not None and j < last:
             on_part(j, out)
-        tokens = out.sampled_token_ids[q[rows] > j + 1]  # the rows that feed their sample into sub-step j + 1
-    return gather(step, parts, forward_s, sample_s, cache_ops_s)
+    out = gather(step, parts, forward_s, sample_s, cache_ops_s)
+    out.sub_step_carried = carry is not None
+    return out, carry

@@ -12,7 +12,6 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +19,12 @@ import torch
 
 from executor_service import burst, metrics, sizing
 from executor_service.attention import load_backend
+from executor_service.carry import Carry, answer, merge
 from executor_service.config import ExecutorConfig
 from executor_service.costs import CostMeter
 from executor_service.cuda_graphs import capture_decode_graphs
 from executor_service.history import TokenHistories
+from executor_service.info import ExecutorInfo
 from executor_service.placeholders import LastSamples
 from executor_service.cpu import (CoreBinding, ThreadTuner, allowed_cores, bind_team_op, keep_freed_memory,
                                   thread_candidates)
@@ -43,33 +44,6 @@ from kvpager.telemetry import get_logger
 log = get_logger(__name__)
 
 SWAP_DEFAULT_MAX_BYTES = 4 * GIB
-
-
-@dataclass(slots=True)
-class ExecutorInfo:
-    """What GetInfo reports (mirrors kvpager.v1.ExecutorInfo)."""
-
-    executor_id: str
-    model_id: str
-    model_type: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: list[int] = field(default_factory=list)
-    num_layers: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    dtype: str = ""
-    device: str = ""
-    attention_backend: str = ""
-    model_impl: str = ""
-    num_blocks: int = 0
-    block_size: int = 0
-    num_swap_blocks: int = 0
-    incarnation: int = 0
-    pool_generation: int = 0
-    kv_pool_bytes: int = 0
-    kv_layout: str = ""
-    kv_groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (window or 0, layers)
 
 
 def new_incarnation() -> int:
@@ -180,6 +154,7 @@ class Executor:
         )
         self._lock = threading.Lock()
         self._cut_step = 0  # a decode burst to cut short after its current sub-step (request_cut)
+        self._carry: Carry | None = None  # the next sub-step of the burst cut last, for the step that cut it
         # Last: the graphs capture forwards over the finished pool (cuda_graphs.py).
         self.graphs = capture_decode_graphs(
             self.runner, self._kv_caches, self.backend, self._layer_groups, num_groups=1 + len(self.group_tables),
@@ -259,17 +234,28 @@ class Executor:
 
     def execute(self, step: StepInput, on_part: burst.OnPart | None = None) -> StepOutput:
         """Run one step. Raises InvalidArgument / FailedPrecondition before
-        touching anything, ResourceExhausted when memory runs out. ``on_part``:
-        a decode burst's sub-steps as they end (``burst.run``), on this thread."""
-        step = check_step(step, self._limits)
-        if step.decode_steps > 1:
-            burst.check_burst(step)
+        touching anything (but a step refused when it should carry the next
+        sub-step of the burst it cut voids every table: ``_invalidate``),
+        ResourceExhausted when memory runs out. ``on_part``: a decode burst's
+        sub-steps as they end (``burst.run``), on this thread."""
+        carry, self._carry = self._carry, None  # a cut burst's next sub-step, for the step that cut it
         with self._lock:
-            step = self.last_samples.fill(step)
-            resolved = self.tables.resolve(step.table_epoch, step.tables, step.seq_ids, step.query_lens,
-                                           step.context_lens)
-            extra = self._resolve_groups(step)
-            histories = self.histories.resolve(step, resolved)
+            try:
+                step = check_step(step, self._limits)
+                if step.decode_steps > 1:
+                    burst.check_burst(step)
+                if carry is not None and (step.prev_step_id != carry.step_id or step.decode_steps > 1):
+                    raise InvalidArgument(f"step {step.step_id} follows step {step.prev_step_id}, but step "
+                                          f"{carry.step_id} was cut short for the step that cut it (cut_prev)")
+                step = self.last_samples.fill(step)
+                resolved = self.tables.resolve(step.table_epoch, step.tables, step.seq_ids, step.query_lens,
+                                               step.context_lens)
+                extra = self._resolve_groups(step)
+                histories = self.histories.resolve(step, resolved)
+            except Exception:
+                if carry is not None:  # refused: the token its tables count as computed never will be
+                    self._invalidate()
+                raise
             # Recorded before anything is touched: a ConfirmPool racing this step sees it.
             self.last_step_id = step.step_id
             written = (resolved.slot_mapping if not extra
@@ -281,28 +267,25 @@ class Executor:
             self.histories.commit(histories)
             try:
                 if step.decode_steps > 1:  # one-token forwards back to back (executor_service.burst)
-                    out = burst.run(step, [resolved, *extra], histories.rows, self._run, on_part,
-                                    lambda: self._cut_step == step.step_id)
-                    if out.sub_steps_run:  # cut short: the sub-steps not run computed nothing
-                        self.tables.uncompute(step.seq_ids, step.query_lens - burst.run_lens(step, out))
+                    out, self._carry = burst.run(step, [resolved, *extra], histories.rows, self._run, on_part,
+                                                 lambda: self._cut_step == step.step_id)
+                    if out.sub_steps_run:  # cut short: the sub-steps not run (nor carried) computed nothing
+                        self.tables.uncompute(step.seq_ids, step.query_lens - burst.computed_lens(step, out))
                         metrics.BURSTS_CUT.labels(self.executor_id).inc()
+                elif carry is not None:  # the burst this step cut runs its next sub-step here (carry.py)
+                    step, merged, kept = merge(step, resolved, carry)
+                    out = self._run(step, merged, histories.rows, extra)
+                    metrics.SUB_STEPS_CARRIED.labels(self.executor_id).inc()
                 else:
                     out = self._run(step, resolved, histories.rows, extra)
                 self.last_samples.record(step, out)
+                if carry is not None:
+                    out = answer(out, kept)  # a sample for every carried row, in the burst's row order
                 if self._cut_step == step.step_id:
                     self._cut_step = 0  # heard (or too late): ids restart with another gateway
                 return out
             except Exception as exc:
-                # The pool may hold half-applied moves now: invalidate what
-                # the memory service remembers of it, and every table.
-                self.pool_generation += 1
-                self.last_step_id = 0  # a new generation has applied nothing yet
-                self.write_log.reset()
-                self.tables.clear()
-                for tables in self.group_tables:
-                    tables.clear()
-                self.histories.clear()
-                self.last_samples.clear()
+                self._invalidate()  # the pool may hold half-applied moves now
                 if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
                     metrics.FAILED_STEPS.labels(self.executor_id, "error").inc()
                     raise
@@ -310,6 +293,19 @@ class Executor:
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 raise ResourceExhausted(f"out of memory in step {step.step_id}: {exc}", retry_after_s=1.0) from exc
+
+    def _invalidate(self) -> None:
+        """Forget every table and what the memory service remembers of the pool
+        (a new generation): after a failed step, or a dropped carried sub-step."""
+        self._carry = None
+        self.pool_generation += 1
+        self.last_step_id = 0  # a new generation has applied nothing yet
+        self.write_log.reset()
+        self.tables.clear()
+        for tables in self.group_tables:
+            tables.clear()
+        self.histories.clear()
+        self.last_samples.clear()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -38,6 +38,9 @@ THREADS_BOUND = Gauge(
     "(executor_service.cpu.CoreBinding), else 0.", ["executor_id"], registry=REG)
 BURSTS_CUT = Counter("kvpager_executor_bursts_cut_total",
                      "Decode bursts cut short because a step was waiting behind them.", ["executor_id"], registry=REG)
+SUB_STEPS_CARRIED = Counter(
+    "kvpager_executor_sub_steps_carried_total",
+    "Cut bursts' next sub-steps computed in the forward of the step that cut them.", ["executor_id"], registry=REG)
 FAILED_STEPS = Counter("kvpager_executor_failed_steps_total", "Steps that failed after validation.", ["executor_id", "reason"], registry=REG)
 FORWARDS = Counter(
     "kvpager_executor_forwards_total", "Model forwards, by how they ran: a replayed decode CUDA graph, eagerly, "

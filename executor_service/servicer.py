@@ -141,6 +141,7 @@ def response_from_output(out: StepOutput) -> executor_pb2.ExecuteResponse:
         sample_s=out.sample_s,
         cache_ops_s=out.cache_ops_s,
         sub_steps_run=out.sub_steps_run,
+        sub_step_carried=out.sub_step_carried,
     )
 
 

@@ -124,6 +124,7 @@ class StepOutput:
     sample_s: float = 0.0
     cache_ops_s: float = 0.0
     sub_steps_run: int = 0  # a burst cut short: the sub-steps it ran (executor_service.burst); 0: not cut
+    sub_step_carried: bool = False  # cut short, its next sub-step carried into the step that cut it (.carry)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from gateway.clients import ExecutorClient, MemoryClient
 from gateway.completions import Completions
 from gateway.engine_config import EngineConfig
 from gateway.failures import FailureLog, for_client
-from gateway.inflight import Call, bursts_running, next_burst_plan, take_returned
+from gateway.inflight import Call, bursts_running, carry_into, next_burst_plan, take_returned
 from gateway.membership import Executors
 from gateway.outputs import Outbox
 from gateway.recovery import Recovery
@@ -65,7 +65,8 @@ class Engine:
         self.requests = RequestBook(self.sequences, self.outbox, config.max_waiting, self.stats)
         self.completions = Completions(self.sequences, self.requests, self.outbox, self.executors)
         self.beams = BeamSearch(self.completions)
-        self.results = Results(self.sequences, self.completions, self.beams, self.stats)
+        self.results = Results(self.sequences, self.completions, self.beams, self.stats,
+                               lambda: self.executors.limits.max_model_len)
         self.recovery = Recovery(config.recovery, self.sequences, self.requests, self.executors, memory)
         self._row_builder = RowBuilder(self.beams, plan_ahead=config.plan_ahead, stats=self.stats)
         self._step_id = int(time.time() * 1000) << 8  # increasing across gateway restarts
@@ -348,9 +349,9 @@ class Engine:
                         waker.cancel()
             self._take_parts()
         done, self._inflight = take_returned(self._inflight, time.perf_counter())  # each executor's in step order
-        for call in done:
+        for i, call in enumerate(done):
             metrics.STEP_SECONDS.labels("execute").observe(time.perf_counter() - call.sent)
-            self._finish_execute(call)  # sub-steps not taken yet are in the whole response
+            self._finish_execute(call, done[i + 1:])  # sub-steps not taken yet are in the whole response
             metrics.STEP_SECONDS.labels("total").observe(time.perf_counter() - call.step_start)
         finished = {call.ex.executor_id for call in done}
         # Executors already running the step planned ahead: stream now, not after the next plan's round trip.
@@ -361,7 +362,8 @@ class Engine:
         if self.results.take_parts(self._inflight, self.executors.get) or flush:
             self.outbox.flush()  # streamed at once
 
-    def _finish_execute(self, call: Call) -> None:
+    def _finish_execute(self, call: Call, later: list[Call]) -> None:
+        """``later``: the calls back after it (a cut burst's carried rows go to one: ``carry_into``)."""
         ex, task = call.ex, call.task
         if task.cancelled():
             return
@@ -375,7 +377,9 @@ class Engine:
         out = task.result()
         self.scheduler.clock.observe(ex.executor_id, call.rows, out.forward_s, out.sample_s, out.sub_steps_run,
                                      call.ran_for(time.perf_counter()))
-        self.results.whole(call.rows, task.result())
+        carried = self.results.whole(call.rows, out)
+        if carried and not carry_into([*later, *self._inflight], ex, carried):
+            self._lose_executor(ex, Unavailable("a burst's next sub-step went to a step not in flight"), True)
 
     async def _drain(self) -> None:
         """Until the Executes in flight are back (their samples are real tokens)."""

@@ -70,3 +70,16 @@ def bursts_running(calls: list[Call], now: float, clock: DecodeClock, lead_s: fl
 def next_burst_plan(calls: list[Call], now: float, clock: DecodeClock, lead_s: float) -> float:
     """The earliest time after ``now`` a burst's next step is due to be planned (0.0: none)."""
     return min((t for t in (plan_at(c, clock, lead_s) for c in latest(calls)) if now < t < NEVER), default=0.0)
+
+
+def carry_into(calls: list[Call], ex: ExecutorClient, rows: list[wire.Row]) -> bool:
+    """A burst of ``ex`` came back cut short, its next sub-step carried into
+    the step that cut it (executor_service.carry): that step's call, the first
+    of ``ex`` among ``calls`` (those back after the burst, then those in
+    flight), gets ``rows``, whose samples come back after its own. False:
+    there is none (the carried samples would never come)."""
+    behind = next((c for c in calls if c.ex is ex), None)
+    if behind is None:
+        return False
+    behind.rows.extend(rows)
+    return True

@@ -23,6 +23,7 @@ from gateway import metrics, wire
 from gateway.beam import BeamSearch
 from gateway.completions import Completions
 from gateway.request_stats import RequestStats
+from gateway.rows import may_continue
 from gateway.sequences import SequenceTable
 from gateway.state import Request
 
@@ -31,14 +32,18 @@ log = get_logger("gateway.engine")
 
 class Results:
     def __init__(self, sequences: SequenceTable, completions: Completions, beams: BeamSearch,
-                 stats: RequestStats) -> None:
+                 stats: RequestStats, max_model_len: Callable[[], int] = lambda: 0) -> None:
         self.sequences = sequences
         self.completions = completions
         self.beams = beams
         self.stats = stats
+        self.max_model_len = max_model_len  # the executors' context limit now (whether a sample may be fed on)
 
-    def whole(self, rows: list[wire.Row], resp: executor_pb2.ExecuteResponse) -> None:
-        """A returned Execute: every row's samples (less what sub-steps took already)."""
+    def whole(self, rows: list[wire.Row], resp: executor_pb2.ExecuteResponse) -> list[wire.Row]:
+        """A returned Execute: every row's samples (less what sub-steps took
+        already). Returns the rows of a cut burst's next sub-step, carried
+        into the step that cut it (``_cut``), for that step's call: they come
+        back after its own rows."""
         sampled: dict[Request, int] = {}  # tokens per request (a beam's candidates count one)
         for row in rows:
             if row.num_samples:
@@ -48,6 +53,13 @@ class Results:
         for result in wire.row_results(rows, resp):
             seq = result.row.seq
             req = seq.request
+            if result.row.carried and seq.seq_id in self.sequences.changes.carried:
+                # Its sample comes before the memory service heard of the cut: with it appended, a plain
+                # cut says the same (every token but this last one computed), or nothing where the
+                # carried sub-step was its burst's last (it computed all the burst planned).
+                self.sequences.changes.carried.remove(seq.seq_id)
+                if result.row.rest:
+                    self.sequences.changes.cut.append(seq.seq_id)
             if result.row.num_top and not result.row.num_samples:
                 sampled[req] = sampled.get(req, 0) + 1
                 self.beams.candidates(seq, result.top_ids, result.top_logprobs)
@@ -58,23 +70,40 @@ class Results:
                 if not tokens:
                     continue
             self._take(sampled, seq, tokens, logprobs, result.top, bool(result.row.burst))
-        if resp.sub_steps_run:
-            self._cut(rows, resp.sub_steps_run)
+        carried = self._cut(rows, resp.sub_steps_run, resp.sub_step_carried) if resp.sub_steps_run else []
         self.beams.finish_step()
         self.stats.tokens(sampled, time.perf_counter())
+        return carried
 
-    def _cut(self, rows: list[wire.Row], ran: int) -> None:
+    def _cut(self, rows: list[wire.Row], ran: int, carried: bool) -> list[wire.Row]:
         """The burst was cut short after ``ran`` sub-steps (a step waited behind
         it): each row it cut computed ``ran`` tokens, the last sample is its
         next to compute, and the memory service gives the rest back in the
-        next Step (its placeholders, its slots)."""
+        next Step (its placeholders, its slots). ``carried``: the step that
+        cut it computed that last sample too (executor_service.carry) and
+        samples each such row's next token, as a step in flight does: the
+        sequences may be fed it. Returns those rows (one token each; those
+        of sequences ended since too, whose samples are then discarded)."""
+        out = []
         for row in rows:
-            seq = row.seq
-            if row.num_samples + row.burst > ran and seq.seq_id in self.sequences:
-                metrics.TOKENS_SAMPLED_AHEAD_CUT.inc(row.num_samples + row.burst - ran)
-                seq.num_computed = row.start + ran
-                seq.placeholders = 0
+            seq, rest = row.seq, row.num_samples + row.burst - ran - 1
+            if rest < 0:
+                continue
+            if carried:  # one per row it cut, ended or not: the samples come back in the burst's row order
+                seq.sampling += 1
+                out.append(wire.Row(seq, row.start + ran, seq.tokens[row.start + ran:row.start + ran + 1],
+                                    num_samples=1, seeds=row.seeds, carried=True, rest=rest))
+            if seq.seq_id not in self.sequences:
+                continue
+            metrics.TOKENS_SAMPLED_AHEAD_CUT.inc(rest + 1 - carried)
+            seq.num_computed = row.start + ran + carried
+            seq.placeholders = 0
+            if carried:
+                self.sequences.changes.carried.append(seq.seq_id)
+                seq.feed_ahead = may_continue(seq, len(seq.completion.output_ids) + 1, self.max_model_len())
+            else:
                 self.sequences.changes.cut.append(seq.seq_id)
+        return out
 
     def take_parts(self, calls: list, current: Callable[[str], object]) -> bool:
         """Take the sub-steps come back for each executor's oldest call in

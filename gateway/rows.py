@@ -79,10 +79,10 @@ class RowBuilder:
         seq.sampling += 1
         # A burst's next step is planned near its end (gateway.inflight), fed its last sample.
         seq.feed_ahead = self.plan_ahead and row.num_samples == 1 and \
-            _may_continue(seq, num_output + 1 + row.burst, max_model_len)
+            may_continue(seq, num_output + 1 + row.burst, max_model_len)
 
 
-def _may_continue(seq: Seq, num_output: int, max_model_len: int) -> bool:
+def may_continue(seq: Seq, num_output: int, max_model_len: int) -> bool:
     """Whether a sequence whose next token is being sampled can go on after it
     whatever it is, as far as lengths go (a stop token or string may still end
     it: the step fed with it is then wasted, and discarded)."""

@@ -28,12 +28,13 @@ class Changes:
     free: list[int] = field(default_factory=list)                      # finished
     abort: list[int] = field(default_factory=list)                     # aborted, failed, pruned on error
     cut: list[int] = field(default_factory=list)                       # whose burst was cut short (gateway.bursts)
+    carried: list[int] = field(default_factory=list)                   # cut, the next sub-step carried (results)
 
     def __bool__(self) -> bool:
-        return bool(self.forks or self.appends or self.free or self.abort or self.cut)
+        return bool(self.forks or self.appends or self.free or self.abort or self.cut or self.carried)
 
     def only_appends(self) -> bool:
-        return not (self.forks or self.free or self.abort or self.cut)
+        return not (self.forks or self.free or self.abort or self.cut or self.carried)
 
 
 class SequenceTable:
@@ -99,6 +100,8 @@ class SequenceTable:
         self.changes.appends.pop(seq_id, None)
         if seq_id in self.changes.cut:
             self.changes.cut.remove(seq_id)
+        if seq_id in self.changes.carried:
+            self.changes.carried.remove(seq_id)
 
     def readmit(self, seqs: list[Seq], executor_id: str) -> list[int]:
         """Give each of ``seqs`` a new id, to be admitted again as new on
@@ -114,6 +117,7 @@ class SequenceTable:
         ch.free = [i for i in ch.free if i not in gone]
         ch.abort = [i for i in ch.abort if i not in gone]
         ch.cut = [i for i in ch.cut if i not in gone]
+        ch.carried = [i for i in ch.carried if i not in gone]
         ch.forks = [(p, [c for c in kids if c not in gone]) for p, kids in ch.forks if p not in gone]
         ch.forks = [(p, kids) for p, kids in ch.forks if kids]
         for s in seqs:

@@ -66,7 +66,7 @@ def step_request(step_id: int, changes: Changes, batch: Batch,
         new_sequences=[new_sequence(s, executors[s.executor_id]) for s in batch.new],
         schedule_seq_ids=pack_i64(s.seq_id for s in batch.seqs), schedule_num_tokens=pack_i32(batch.num_tokens),
         pending_seq_ids=pack_i64(pending), schedule_lookahead=pack_i32(batch.lookahead),
-        cut_seq_ids=pack_i64(changes.cut))
+        cut_seq_ids=pack_i64(changes.cut), carried_seq_ids=pack_i64(changes.carried))
 
 
 # ---- the plan ---------------------------------------------------------------------------
@@ -147,6 +147,8 @@ class Row:
     history: list[int] | None = None                  # penalised start: its tokens in cache, sent once
     burst: int = 0                                    # tokens sampled ahead (a decode burst): 1 + burst come back
     taken: int = 0                                    # of them, taken already from a streamed burst's sub-steps
+    carried: bool = False                             # a cut burst's next sub-step, run by the step that cut it
+    rest: int = 0                                     # carried: tokens its burst had planned past it
 
 
 def execute_request(step_id: int, incarnation: int, plan: common_pb2.ExecutorPlan,

@@ -189,7 +189,7 @@ class MemoryManager:
         for parent_id, children in step.forks:
             self._fork(parent_id, children)
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
-        cut = set(step.cut_seq_ids)
+        cut = {*step.cut_seq_ids, *step.carried_seq_ids}
         for i, seq_id in enumerate(ids):
             seq = self.seqs[seq_id]
             chunk = toks[offs[i]:offs[i + 1]]
@@ -206,6 +206,8 @@ class MemoryManager:
             seq.token_ids.extend(chunk)
         for seq_id in step.cut_seq_ids:
             self._cut(self.seqs[seq_id])
+        for seq_id in step.carried_seq_ids:
+            self._cut(self.seqs[seq_id], carried=True)
         for seq_id in step.free_seq_ids:
             self._free(seq_id)
         for seq_id in step.abort_seq_ids:
@@ -223,15 +225,16 @@ class MemoryManager:
             self.validator.pending_total += 1
         return rejected
 
-    def _cut(self, seq: Sequence) -> None:
+    def _cut(self, seq: Sequence, carried: bool = False) -> None:
         """Its burst was cut short: the placeholders left go; its tokens but the
-        last (sampled by the last sub-step that ran) are computed."""
+        last (sampled by the last sub-step that ran) are computed, or all of
+        them where its next sub-step was ``carried`` into the step that cut it."""
         if seq.num_pending:
             del seq.token_ids[-seq.num_pending:]
             self.validator.pending_total -= seq.num_pending
             seq.num_pending = 0
         kv = self.executors[seq.executor_id]
-        kv.cut(seq, len(seq.token_ids) - 1)
+        kv.cut(seq, len(seq.token_ids) - (0 if carried else 1))
         kv.index_known(seq)
 
     def _create(self, new: NewSeq) -> Rejected | None:

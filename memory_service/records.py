@@ -54,6 +54,9 @@ class StepInput:
     # RUNNING sequences whose decode burst an executor cut short: the
     # placeholders left go, only their tokens but the last stay computed.
     cut_seq_ids: array | list[int] = field(default_factory=list)
+    # Cut short too, with the next sub-step carried into the step that cut it:
+    # all their tokens stay computed (the sample of the last comes later).
+    carried_seq_ids: array | list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -100,6 +100,7 @@ def step_from_proto(req: memory_pb2.StepRequest) -> StepInput:
         pending_seq_ids=unpack_i64(req.pending_seq_ids, "pending_seq_ids"),
         schedule_lookahead=unpack_i32(req.schedule_lookahead, "schedule_lookahead"),
         cut_seq_ids=unpack_i64(req.cut_seq_ids, "cut_seq_ids"),
+        carried_seq_ids=unpack_i64(req.carried_seq_ids, "carried_seq_ids"),
     )
 
 

@@ -88,7 +88,7 @@ class StepValidator:
         anything else or anything in it is wrong (then ``check`` decides).
         Changes nothing."""
         if step.forks or step.free_seq_ids or step.abort_seq_ids or step.new_seqs or step.pending_seq_ids \
-                or self.pending_total or step.schedule_lookahead or step.cut_seq_ids:
+                or self.pending_total or step.schedule_lookahead or step.cut_seq_ids or step.carried_seq_ids:
             return None  # placeholders to add or replace: the general path
         ids, offs, toks = step.appended_seq_ids, step.appended_offsets, step.appended_tokens
         sids, nums = step.schedule_seq_ids, step.schedule_num_tokens
@@ -267,44 +267,53 @@ class StepValidator:
                 if base.seq_id == seq_id:
                     extra -= min(extra, base.num_pending)
                 remaining = base.num_tokens + extra + (seq_id in pending) - base.num_computed
-                if seq_id in cuts:
-                    remaining = 1  # its last token, computed by no sub-step
+                if seq_id in cuts:  # cut: its last token, computed by no sub-step; carried: its pending one
+                    tokens, computed = cuts[seq_id]
+                    remaining = tokens + (seq_id in pending) - computed
                 if remaining < 1:
                     raise InvalidArgument(f"schedule: sequence {seq_id} has no token left to compute "
                                           "(append the sampled token first)")
 
     def _check_cuts(self, step: StepInput, live: dict[int, Sequence], appended: dict[int, int], pending: set[int],
-                    gone: set[int]) -> dict[int, int]:
-        """Sequences whose burst was cut short -> their tokens after this
-        step's appends and the cut (all computed but the last). A cut gives
-        back at least one computed token, never one of a block the prefix
-        index holds (other sequences may read it), and only on an executor
-        with one table for all layers."""
-        cuts: dict[int, int] = {}
-        for seq_id in step.cut_seq_ids:
+                    gone: set[int]) -> dict[int, tuple[int, int]]:
+        """Sequences whose burst was cut short -> (their tokens after this
+        step's appends and the cut, those computed: all but the last; all of
+        them where the burst's next sub-step was carried into the step that
+        cut it, ``carried_seq_ids``, whose sample may be pending already). A
+        cut gives back at least one computed token (a carried one may give
+        back none: the carried sub-step was its burst's last), never one of a
+        block the prefix index holds (other sequences may read it), and only
+        on an executor with one table for all layers."""
+        cuts: dict[int, tuple[int, int]] = {}
+        carried = set(step.carried_seq_ids)
+        if len(carried) != len(step.carried_seq_ids):
+            raise InvalidArgument("carried: a sequence appears twice")
+        for seq_id in [*step.cut_seq_ids, *step.carried_seq_ids]:
             seq = live.get(seq_id)
+            what = "carried" if seq_id in carried else "cut"
             if seq_id in cuts:
-                raise InvalidArgument(f"cut: sequence {seq_id} appears twice")
+                raise InvalidArgument(f"cut: sequence {seq_id} appears twice (in cut_seq_ids or carried_seq_ids)")
             if seq is None or seq_id in gone:
-                raise self.missing(seq_id, "cut")
-            if seq.status is not SeqStatus.RUNNING or seq_id in pending:
-                raise FailedPrecondition(f"cut: sequence {seq_id} is not a running burst's")
+                raise self.missing(seq_id, what)
+            if seq.status is not SeqStatus.RUNNING or (seq_id in pending and seq_id not in carried):
+                raise FailedPrecondition(f"{what}: sequence {seq_id} is not a running burst's")
             kv = self._executor(seq.executor_id)
             if kv.grouped:
-                raise FailedPrecondition(f"cut: sequence {seq_id} is on an executor with a table per KV group")
+                raise FailedPrecondition(f"{what}: sequence {seq_id} is on an executor with a table per KV group")
             tokens = seq.num_tokens - seq.num_pending + appended.get(seq_id, 0)
-            if not tokens - 1 < seq.num_computed:
-                raise FailedPrecondition(f"cut: sequence {seq_id} has {seq.num_computed} tokens computed, "
-                                         f"nothing past its {tokens - 1} to give back")
-            if tokens - 1 < seq.num_cached_blocks * kv.block_size or tokens <= seq.num_prompt_tokens:
-                raise FailedPrecondition(f"cut: sequence {seq_id} would give back computed tokens of its prompt "
+            computed = tokens if seq_id in carried else tokens - 1
+            if computed > seq.num_computed or (computed == seq.num_computed and seq_id not in carried):
+                raise FailedPrecondition(f"{what}: sequence {seq_id} has {seq.num_computed} tokens computed, "
+                                         f"nothing past its {computed} to give back")
+            if computed < seq.num_cached_blocks * kv.block_size or tokens <= seq.num_prompt_tokens:
+                raise FailedPrecondition(f"{what}: sequence {seq_id} would give back computed tokens of its prompt "
                                          "or of blocks the prefix index holds")
-            cuts[seq_id] = tokens
+            cuts[seq_id] = (tokens, computed)
         return cuts
 
     def _check_lookahead(self, step: StepInput, live: dict[int, Sequence], appended: dict[int, int],
                          pending: set[int], created: dict[int, int], gone: set[int],
-                         cuts: dict[int, int]) -> None:
+                         cuts: dict[int, tuple[int, int]]) -> None:
         """A lookahead (decode burst) is for a RUNNING sequence scheduled for
         all its tokens not yet computed, within its token and placeholder limits.
         A child forked in this step is its parent's copy (a fork needs a parent
@@ -329,8 +338,9 @@ class StepValidator:
             replaced = min(extra, seq.num_pending) if seq.seq_id == seq_id else 0
             tokens = seq.num_tokens + extra - replaced + (seq_id in pending)
             computed = seq.num_computed
-            if seq_id in cuts:  # its placeholders go; its last token is not computed
-                tokens, computed, replaced = cuts[seq_id], cuts[seq_id] - 1, seq.num_pending
+            if seq_id in cuts:  # its placeholders go; its last token is not computed (carried: its pending one)
+                (tokens, computed), replaced = cuts[seq_id], seq.num_pending
+                tokens += seq_id in pending
             if k != tokens - computed:
                 raise InvalidArgument(f"schedule: sequence {seq_id} samples ahead, so it computes all its "
                                       f"{tokens - computed} tokens not yet computed, not {k}")

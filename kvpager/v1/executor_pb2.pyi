@@ -68,7 +68,7 @@ class ExecuteRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., incarnation: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.ExecutorPlan, _Mapping]] = ..., context_lens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingBatch, _Mapping]] = ..., prev_step_id: _Optional[int] = ..., decode_steps: _Optional[int] = ..., cut_prev: _Optional[bool] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_offsets", "top_token_ids", "top_logprobs", "forward_s", "sample_s", "cache_ops_s", "partial", "sub_step", "sub_steps_run")
+    __slots__ = ("step_id", "sampled_token_ids", "sampled_logprobs", "top_offsets", "top_token_ids", "top_logprobs", "forward_s", "sample_s", "cache_ops_s", "partial", "sub_step", "sub_steps_run", "sub_step_carried")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class ExecuteResponse(_message.Message):
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     SUB_STEP_FIELD_NUMBER: _ClassVar[int]
     SUB_STEPS_RUN_FIELD_NUMBER: _ClassVar[int]
+    SUB_STEP_CARRIED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: bytes
     sampled_logprobs: bytes
@@ -93,7 +94,8 @@ class ExecuteResponse(_message.Message):
     partial: bool
     sub_step: int
     sub_steps_run: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., top_offsets: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., forward_s: _Optional[float] = ..., sample_s: _Optional[float] = ..., cache_ops_s: _Optional[float] = ..., partial: _Optional[bool] = ..., sub_step: _Optional[int] = ..., sub_steps_run: _Optional[int] = ...) -> None: ...
+    sub_step_carried: bool
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., top_offsets: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., forward_s: _Optional[float] = ..., sample_s: _Optional[float] = ..., cache_ops_s: _Optional[float] = ..., partial: _Optional[bool] = ..., sub_step: _Optional[int] = ..., sub_steps_run: _Optional[int] = ..., sub_step_carried: _Optional[bool] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

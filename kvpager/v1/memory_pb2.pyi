@@ -132,7 +132,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., executor_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., max_total_tokens: _Optional[int] = ..., prompt_block_hashes: _Optional[bytes] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., retention_s: _Optional[float] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "appended", "forks", "free_seq_ids", "abort_seq_ids", "new_sequences", "schedule_seq_ids", "schedule_num_tokens", "pending_seq_ids", "schedule_lookahead", "cut_seq_ids")
+    __slots__ = ("step_id", "appended", "forks", "free_seq_ids", "abort_seq_ids", "new_sequences", "schedule_seq_ids", "schedule_num_tokens", "pending_seq_ids", "schedule_lookahead", "cut_seq_ids", "carried_seq_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     APPENDED_FIELD_NUMBER: _ClassVar[int]
     FORKS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class StepRequest(_message.Message):
     PENDING_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     CUT_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    CARRIED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     appended: _common_pb2.TokenBatch
     forks: _containers.RepeatedCompositeFieldContainer[_common_pb2.ForkOp]
@@ -155,7 +156,8 @@ class StepRequest(_message.Message):
     pending_seq_ids: bytes
     schedule_lookahead: bytes
     cut_seq_ids: bytes
-    def __init__(self, step_id: _Optional[int] = ..., appended: _Optional[_Union[_common_pb2.TokenBatch, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[_common_pb2.ForkOp, _Mapping]]] = ..., free_seq_ids: _Optional[bytes] = ..., abort_seq_ids: _Optional[bytes] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., schedule_seq_ids: _Optional[bytes] = ..., schedule_num_tokens: _Optional[bytes] = ..., pending_seq_ids: _Optional[bytes] = ..., schedule_lookahead: _Optional[bytes] = ..., cut_seq_ids: _Optional[bytes] = ...) -> None: ...
+    carried_seq_ids: bytes
+    def __init__(self, step_id: _Optional[int] = ..., appended: _Optional[_Union[_common_pb2.TokenBatch, _Mapping]] = ..., forks: _Optional[_Iterable[_Union[_common_pb2.ForkOp, _Mapping]]] = ..., free_seq_ids: _Optional[bytes] = ..., abort_seq_ids: _Optional[bytes] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., schedule_seq_ids: _Optional[bytes] = ..., schedule_num_tokens: _Optional[bytes] = ..., pending_seq_ids: _Optional[bytes] = ..., schedule_lookahead: _Optional[bytes] = ..., cut_seq_ids: _Optional[bytes] = ..., carried_seq_ids: _Optional[bytes] = ...) -> None: ...
 
 class Preemption(_message.Message):
     __slots__ = ("seq_id", "mode", "reason", "recompute_tokens", "recompute_cost_s", "swap_bytes", "swap_cost_s")

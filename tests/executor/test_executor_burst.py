@@ -171,9 +171,11 @@ def test_a_burst_is_cut_short_by_a_step_waiting_behind_it(serve, oracle, streame
     during a sub-step's forward, before that forward's next layer (the
     sub-steps before it ran, and each of their parts went out); heard after
     a forward, before that sub-step's part goes out (it ran: its samples come
-    in the whole). The burst returns what it ran (sub_steps_run), its rows'
-    tables count only what was computed, and every sequence, cut or not,
-    goes on exactly (the stopped forward's K/V writes are overwritten)."""
+    in the whole). The burst returns what it ran (sub_steps_run) and carries
+    its next sub-step into the step behind (sub_step_carried), which returns
+    those rows' samples after its own; the rows' tables count what was
+    computed, and every sequence, cut or not, goes on exactly (the stopped
+    forward's K/V writes are overwritten)."""
     import time
 
     from executor_service import metrics
@@ -218,6 +220,7 @@ def test_a_burst_is_cut_short_by_a_step_waiting_behind_it(serve, oracle, streame
         runner.forward = forward
     cut = resp.sub_steps_run
     assert 1 <= cut < 8, cut
+    assert resp.sub_step_carried
     if streamed:  # mid-forward: every sub-step that ran sent its part; between: the last one's never went out
         sent = cut if heard == "mid_forward" else cut - 1
         assert [(m.partial, m.sub_step) for m in msgs[:-1]] == [(True, j) for j in range(sent)], msgs
@@ -225,10 +228,14 @@ def test_a_burst_is_cut_short_by_a_step_waiting_behind_it(serve, oracle, streame
     plan.sent_tables(req, items)
     sampled = list(packed.unpack_i32(resp.sampled_token_ids))
     assert len(sampled) == min(8, cut) + min(3, cut)
+    carried = [seq for seq, q in items if q > cut]  # their next token was computed by the step behind
+    behind_sampled = list(packed.unpack_i32(after.sampled_token_ids))
+    assert len(behind_sampled) == 1 + len(carried)
+    assert list(packed.unpack_i32(after.top_offsets)) == [0] * (2 + len(carried))
     pos = 0
     for seq, q in items:
         n = min(q, cut)
-        seq.num_computed += n
+        seq.num_computed += n + (seq in carried)
         seq.tokens.extend(sampled[pos:pos + n])
         keep = -(-seq.num_computed // plan.block_size)  # the executor's table keeps the blocks they fill
         plan.alloc.release(seq.blocks[keep:])  # and the memory service frees the rest
@@ -239,7 +246,49 @@ def test_a_burst_is_cut_short_by_a_step_waiting_behind_it(serve, oracle, streame
         pos += n
     plan.sent_tables(behind, [(waiting, 1)])
     waiting.num_computed += 1
-    waiting.tokens.extend(packed.unpack_i32(after.sampled_token_ids))
+    waiting.tokens.append(behind_sampled[0])
+    for seq, token in zip(carried, behind_sampled[1:]):
+        seq.tokens.append(token)
     plan.decode(seqs, 3)  # context lens as the executor counts them: refused were they not
     for s, n in zip(seqs, lens):
         assert s.tokens[n:] == oracle(CKPT).greedy(s.tokens[:n], len(s.tokens) - n)
+
+
+def test_a_step_refused_when_it_should_carry_the_cut_bursts_sub_step_voids_the_tables(serve):
+    """The burst cut short counts its carried token as computed; the step that
+    cut it is refused (a token id past the vocabulary), so that token never
+    will be: the executor says INVALID_ARGUMENT, forgets every table and
+    starts a new pool generation (what the memory service knew of the pool
+    is void)."""
+    import time
+
+    served = serve(CKPT)
+    executor = served.executor
+    runner = executor.runner
+    forward = runner.forward
+    plan = Plan(served)
+    seqs = [plan.new_seq(p) for p in prompts(2, [6, 4], seed=38)]
+    plan.prefill(seqs)
+    generation = executor.pool_generation
+    req = _burst_request(plan, [(seqs[0], 8)], 8)
+
+    def slow(*args):
+        time.sleep(0.1)
+        return forward(*args)
+
+    runner.forward = slow
+    try:
+        call = served.stub.Execute.future(req, timeout=120)
+        time.sleep(0.15)
+        behind = plan.request([(seqs[1], 1)])
+        behind.prev_step_id, behind.cut_prev = req.step_id, True
+        behind.token_ids = packed.pack_i32([10 ** 6])
+        with pytest.raises(grpc.RpcError) as err:
+            served.stub.Execute(behind, timeout=120)
+        resp = call.result()
+    finally:
+        runner.forward = forward
+    assert resp.sub_steps_run and resp.sub_step_carried
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert executor.pool_generation == generation + 1 and executor._carry is None
+    assert seqs[0].seq_id not in executor.tables and seqs[1].seq_id not in executor.tables

@@ -264,7 +264,8 @@ async def arrival_mid_burst(stack, oracle, seed: int, forward_s: float, pause_s:
     ``forward_s`` a forward, and a second one sent once a burst is out (and
     ``pause_s`` more); both get generate's tokens, and the memory service's
     invariants hold while the first still runs. Returns every Execute as
-    (step id, prev step id, decode steps, cut_prev, streamed, sub-steps run)."""
+    (step id, prev step id, decode steps, cut_prev, streamed, sub-steps run,
+    next sub-step carried)."""
     engine = stack.gateway.engine
     executor = stack.executors[0].executor
     runner = executor.runner
@@ -274,10 +275,11 @@ async def arrival_mid_burst(stack, oracle, seed: int, forward_s: float, pause_s:
     sent = []
 
     async def spy(request, timeout_s=None, on_part=None):
-        row = [request.step_id, request.prev_step_id, request.decode_steps, request.cut_prev, on_part is not None, 0]
+        row = [request.step_id, request.prev_step_id, request.decode_steps, request.cut_prev, on_part is not None, 0,
+               False]
         sent.append(row)
         resp = await real_execute(request, timeout_s, on_part)
-        row[5] = resp.sub_steps_run
+        row[5], row[6] = resp.sub_steps_run, resp.sub_step_carried
         return resp
 
     def slow(*args):  # inside the executor's forward timer: the gateway's clock sees it
@@ -310,7 +312,7 @@ async def test_a_step_planned_while_a_burst_runs_names_it(streamed, oracle):
     placeholder, so the executor runs it after the burst whatever the order
     the two calls reach it (a streamed burst's handler is a stream)."""
     sent = await arrival_mid_burst(streamed[0], oracle, seed=28, forward_s=0.01)
-    bursts = {step for step, _, steps, _, is_streamed, _ in sent if steps > 1 and is_streamed}
+    bursts = {step for step, _, steps, _, is_streamed, *_ in sent if steps > 1 and is_streamed}
     assert bursts and any(prev in bursts and steps == 0 for _, prev, steps, *_ in sent), sent
 
 
@@ -324,12 +326,14 @@ async def test_a_request_arriving_mid_burst_cuts_it_short(stacks, streamed, orac
     given_back = metrics.TOKENS_SAMPLED_AHEAD_CUT._value.get()
     sent = await arrival_mid_burst(stacks[0] if which == "whole" else streamed[0], oracle, seed=41,
                                    forward_s=0.03, pause_s=0.04)  # a sub-step or so in
-    cuts = [(step, steps, ran) for step, _, steps, _, _, ran in sent if ran]
+    cuts = [(step, steps, ran, carried) for step, _, steps, _, _, ran, carried in sent if ran]
     assert cuts, sent
-    assert metrics.TOKENS_SAMPLED_AHEAD_CUT._value.get() - given_back == sum(steps - ran for _, steps, ran in cuts)
-    for step, steps, ran in cuts:
-        assert 1 <= ran < steps
-        assert any(prev == step and cut for _, prev, _, cut, _, _ in sent), (step, sent)  # by the step behind it
+    # Never sampled: the sub-steps neither run nor carried into the step behind (which samples the carried one).
+    assert metrics.TOKENS_SAMPLED_AHEAD_CUT._value.get() - given_back == \
+        sum(steps - ran - carried for _, steps, ran, carried in cuts)
+    for step, steps, ran, carried in cuts:
+        assert 1 <= ran < steps and carried
+        assert any(prev == step and cut for _, prev, _, cut, *_ in sent), (step, sent)  # by the step behind it
 
 
 async def bursts_timed(stack, body, forward_s: float = 0.02, lead_ms: float | None = None) -> list:

@@ -62,6 +62,7 @@ EXECUTOR = {
     "kvpager_executor_forward_seconds": "histogram", "kvpager_executor_pool_blocks": "gauge",
     "kvpager_executor_step_threads": "counter", "kvpager_executor_forwards": "counter",
     "kvpager_executor_cuda_graphs": "gauge", "kvpager_rpc_requests": "counter",
+    "kvpager_executor_bursts_cut": "counter", "kvpager_executor_sub_steps_carried": "counter",
 }
 MOVED = ("kvpager_time_to_first_token_seconds", "kvpager_inter_token_latency_seconds",
          "kvpager_request_time_per_output_token_seconds", "kvpager_e2e_request_latency_seconds",

@@ -93,7 +93,7 @@ async def test_a_step_finished_under_one_planned_ahead_streams_before_the_next_p
     def logged_whole(rows, out):
         running = any(call.rows is not rows and not call.task.done() for call in engine._inflight)
         events.append("ahead" if running else "idle")
-        whole(rows, out)
+        return whole(rows, out)
 
     engine.memory.step, engine.outbox.flush, engine.results.whole = logged_step, logged_flush, logged_whole
     try:

@@ -198,6 +198,46 @@ def test_a_burst_cut_short_gives_back_what_it_did_not_compute():
     assert m.check_invariants() == []
 
 
+def test_a_cut_with_its_next_sub_step_carried_keeps_that_token_computed():
+    """2 of 8 sub-steps ran and the third was carried into the step that cut
+    the burst (its sample still in flight): every known token stays computed
+    (13 included), the blocks past them return, and a step planned now feeds
+    the carried sample (pending) and computes it; appended later, it leaves
+    what a step-by-step run leaves."""
+    prompt, sampled = [5, 6, 7], [11, 12, 13, 14]
+    plain = _step_by_step(prompt, sampled, 9)
+    m = _manager()
+    _prefill(m, 1, prompt, 1)
+    m.step(StepInput(step_id=2, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[7],
+                     **_app({1: [11]})))
+    seq = m.seqs[1]
+    out = m.step(StepInput(step_id=3, carried_seq_ids=[1], pending_seq_ids=[1], schedule_seq_ids=[1],
+                           schedule_num_tokens=[1], **_app({1: [12, 13]})))
+    assert seq.token_ids == prompt + [11, 12, 13, PLACEHOLDER] and seq.num_pending == 1
+    assert seq.num_computed == 7 and len(seq.blocks) == 2 and _rows(out) == [(1, 1)]
+    assert m.check_invariants() == []
+    m.step(StepInput(step_id=4, **_app({1: [14]})))
+    a = plain.seqs[1]  # which has not computed 14 yet: the step planned behind the cut did
+    assert (a.token_ids, a.num_computed + 1, a.num_cached_blocks, a.block_hashes) == \
+        (seq.token_ids, seq.num_computed, seq.num_cached_blocks, seq.block_hashes)
+    assert m.check_invariants() == []
+
+
+def test_a_carried_sub_step_that_was_the_bursts_last_gives_back_nothing():
+    """A burst of 3 cut after 2 sub-steps with the third carried: it computed
+    everything it was granted, so nothing goes back, and nothing is pending
+    unless a step feeds the carried sample."""
+    m = _manager()
+    _prefill(m, 1, [5, 6, 7], 1)
+    m.step(StepInput(step_id=2, schedule_seq_ids=[1], schedule_num_tokens=[1], schedule_lookahead=[2],
+                     **_app({1: [11]})))
+    seq = m.seqs[1]
+    blocks = list(seq.block_ids)
+    m.step(StepInput(step_id=3, carried_seq_ids=[1], **_app({1: [12, 13]})))
+    assert seq.token_ids == [5, 6, 7, 11, 12, 13] and seq.num_pending == 0 and seq.num_computed == 6
+    assert list(seq.block_ids) == blocks and m.check_invariants() == []
+
+
 def test_bad_cuts_fail_whole_and_change_nothing():
     m = _manager()
     _prefill(m, 1, [1, 2, 3, 4, 5, 6, 7], 1)
@@ -213,6 +253,18 @@ def test_bad_cuts_fail_whole_and_change_nothing():
         (StepInput(step_id=4, cut_seq_ids=[1], **_app({1: [9, 10, 11, 12]})), FailedPrecondition, "nothing past"),
         # no sample back: token 8 would lose its slot in block 1 (5 6 7 8), which the prefix index holds
         (StepInput(step_id=4, cut_seq_ids=[1], **_app({})), FailedPrecondition, "prompt or of blocks"),
+        # carried: as cuts, and never in both lists, never with more computed than the burst was granted
+        (StepInput(step_id=4, cut_seq_ids=[1], carried_seq_ids=[1], **_app({1: [9]})), InvalidArgument, "twice"),
+        (StepInput(step_id=4, carried_seq_ids=[1, 1], **_app({1: [9]})), InvalidArgument, "twice"),
+        (StepInput(step_id=4, carried_seq_ids=[2], **_app({1: [9]})), FailedPrecondition, "carried: .* not a running"),
+        (StepInput(step_id=4, carried_seq_ids=[1], **_app({1: [9, 10, 11, 12]})), FailedPrecondition,
+         "nothing past"),
+        # a plain cut's sample is known: nothing of it can be pending
+        (StepInput(step_id=4, cut_seq_ids=[1], pending_seq_ids=[1], **_app({1: [9]})), FailedPrecondition,
+         "not a running"),
+        # carried, but scheduled without its pending sample: nothing left to compute
+        (StepInput(step_id=4, carried_seq_ids=[1], schedule_seq_ids=[1], schedule_num_tokens=[1], **_app({1: [9]})),
+         InvalidArgument, "no token left"),
     ]
     for step, error, text in cases:
         seq = m.seqs[1]
