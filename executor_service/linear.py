@@ -72,7 +72,8 @@ class Linear:
     output rounded to bf16 once: the same arithmetic as a bf16 GEMM with fp32
     accumulation, at twice the weight memory) or "plain" (``F.linear``)."""
 
-    __slots__ = ("in_features", "out_features", "weight", "bias", "mode", "dtype", "_call", "small_rows", "_bias32")
+    __slots__ = ("in_features", "out_features", "weight", "bias", "mode", "dtype", "_call", "small_rows", "_bias32",
+                 "_small")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -89,19 +90,25 @@ class Linear:
             raise ValueError(f"cannot pack a {weight.dtype} weight on {weight.device} here")
         else:
             self.mode = "plain"
-        self.small_rows, self._bias32 = 0, None
+        self.small_rows, self._bias32, self._small = 0, None, None
         if self.mode == "plain":
             self.weight, self.bias, self._call = weight.detach().contiguous(), bias, self._plain
             return
         w = weight.detach().contiguous()
         if self.mode == "upcast":
             w, bias = w.float(), None if bias is None else bias.float()
-        # Opaque oneDNN tensor: the plain weight is not kept (no second copy).
+        # Opaque oneDNN tensor: the plain weight is not kept (no second copy, but bf16 on AMX below).
         self.weight, self.bias = torch.ops.mkldnn._reorder_linear_weight(w), bias
         self._call = self._onednn if self.mode == "packed" else self._upcast
-        if packed_gemm.usable(self.weight, self.out_features, self.in_features, bias):
-            # Rows up to which our kernel serves the packed weight (0 = never).
-            self.small_rows = packed_gemm.MAX_ROWS[self.weight.dtype]
+        n, k = self.out_features, self.in_features
+        # Rows up to which our kernel serves the weight (0 = never), and the buffer it reads.
+        if packed_gemm.usable(self.weight, n, k, bias):
+            self.small_rows, self._small = packed_gemm.MAX_ROWS[self.weight.dtype], self.weight
+        elif self.mode == "packed" and n % 64 == 0 and packed_gemm.panels_pay(self.dtype):
+            panels = packed_gemm.to_panels(w)  # oneDNN's AMX layout is not the kernel's: a copy in its own
+            if packed_gemm.usable(self.weight, n, k, bias, panels=panels):
+                self.small_rows, self._small = packed_gemm.AMX_BF16_MAX_ROWS, panels
+        if self.small_rows:
             self._bias32 = None if bias is None else bias.float()
 
     @property
@@ -111,7 +118,7 @@ class Linear:
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if self.small_rows and x.dim() == 2 and x.shape[0] <= self.small_rows:  # 0: the kernel never serves it
-            return packed_gemm.gemm(x, self.weight, self.out_features, self._bias32)
+            return packed_gemm.gemm(x, self._small, self.out_features, self._bias32)
         rows = x.shape[0] if x.dim() == 2 else 0
         pad = bucket_rows(rows) - rows  # zero rows at the end; their outputs are dropped
         y = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, pad)) if pad else x, self.weight, self.bias,

@@ -11,7 +11,11 @@ rows, ~10 % over a prefill step's mix of shapes (docs/benchmarks.md). Past
 The packed tensor is opaque, so ``usable`` admits a weight only after the
 kernel's product on a few probe rows matched oneDNN's: a CPU whose oneDNN
 picked another layout falls back to oneDNN, never to wrong numbers. On
-AMX CPUs bf16 stays with oneDNN (its AMX tiles). The reference is
+AMX CPUs oneDNN packs bf16 in another layout (for its AMX tiles), which
+take about as long for one row as for sixteen: there a bf16 weight also
+keeps a copy in the kernel's layout (``to_panels``: twice its memory), which
+the kernel serves for steps of at most ``AMX_BF16_MAX_ROWS`` rows (a lone
+stream's decodes, a batch's tail). The reference is
 ``reference`` (``F.linear`` on the plain weight).
 """
 
@@ -32,27 +36,51 @@ from kvpager_kernels import cpu_build
 # step) greedy bf16 output followed transformers' bf16 ``generate`` for 19.8
 # of 64 tokens on average instead of 34.8 (30M; 0.5B 10.5 instead of 12.1).
 MAX_ROWS = {torch.float32: 2048, torch.bfloat16: 48}
+# bf16 on an AMX CPU, the kernel on a ``to_panels`` copy against oneDNN's AMX
+# kernels on the 30M and 0.5B Llamas' linears (2-core AMX Xeon, 2 threads,
+# docs/benchmarks.md, thirty-second sitting): 1 row 0.38-0.87x, 2 rows
+# 0.40-0.93x, 3 rows 0.52-1.02x, 4 rows 0.56-1.22x (8 rows: 1.0-2.4x).
+AMX_BF16_MAX_ROWS = 3
 PROBE_ROWS = 3
 # Probe agreement with oneDNN, relative to the largest output: only the
 # order of the sums differs (bf16: plus one rounding of the output).
 PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def usable(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``gemm`` may serve this oneDNN-packed ``[n, k]`` weight here."""
+def usable(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None,
+           panels: torch.Tensor | None = None) -> bool:
+    """Whether ``gemm`` may serve this oneDNN-packed ``[n, k]`` weight here
+    (``panels``: a ``to_panels`` copy of it, read instead: agreement with
+    oneDNN's product on the packed one is probed all the same)."""
     dtype = packed.dtype
     if dtype not in PROBE_RTOL or not cpu_build.available():
         return False
-    if dtype == torch.bfloat16 and cpu_build.has_amx():
-        return False
-    if not torch.ops.kvpager_cpu.packed_gemm_readable(packed, n, k):
+    if dtype == torch.bfloat16 and cpu_build.has_amx() and panels is None:
+        return False  # oneDNN's AMX layout is not the kernel's (its product would be wrong: the probe says so)
+    ours = packed if panels is None else panels
+    if not torch.ops.kvpager_cpu.packed_gemm_readable(ours, n, k):
         return False
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_ROWS, k, generator=gen).to(dtype)
     want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "").float()
-    got = gemm(x, packed, n, None if bias is None else bias.float()).float()
+    got = gemm(x, ours, n, None if bias is None else bias.float()).float()
     scale = want.abs().max().item() or 1.0
     return bool(torch.isfinite(got).all()) and (got - want).abs().max().item() <= PROBE_RTOL[dtype] * scale
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A plain ``[n, k]`` weight (n a multiple of 64) in the kernel's layout,
+    as a dense tensor: fp32 ``[n / 64][k][64]``, bf16 ``[n / 64][k / 2][64][2]``
+    (pairs of k for vdpbf16ps); oneDNN's avx512_core layouts."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return weight.reshape(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return weight.reshape(n // 64, 64, k).permute(0, 2, 1).contiguous()
+
+
+def panels_pay(dtype: torch.dtype) -> bool:
+    """Whether a weight of ``dtype`` is worth a ``to_panels`` copy here: bf16 on an AMX CPU."""
+    return dtype == torch.bfloat16 and cpu_build.available() and cpu_build.has_amx()
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias_f32: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,7 +5,8 @@
 // (executor_service/linear.py). For the few rows of a decode step, oneDNN's
 // brgemm kernels leave much of an AVX-512 core idle and wait on memory (and
 // at prefill sizes this kernel ran 2-5 % ahead of them here). This
-// kernel reads the same packed buffer (no second copy of any weight) a whole
+// kernel reads the same packed buffer (no second copy of any weight, but
+// bf16 on AMX CPUs, whose oneDNN layout differs: a dense copy) a whole
 // 64-column panel at a time, in order: register tiles of at most 6 rows x 64
 // columns (24 accumulators), and while it computes one panel it asks for the
 // next into L2, so the weights stream from memory once per step in one
@@ -255,8 +256,12 @@ int64_t itemsize(at::ScalarType t) { return t == at::kFloat ? 4 : 2; }
 // Whether packed_gemm can read `w` (oneDNN-packed, [n, k] logically): its
 // dtype has a kernel in this build and its buffer holds exactly n * k
 // elements in whole panels (a padded layout is another layout).
+// A dense contiguous tensor of n * k elements is read as the same layout
+// (kvpager_kernels/packed_gemm.py to_panels: where oneDNN packs a dtype
+// another way, as bf16 on AMX CPUs, a copy in this layout).
 bool packed_gemm_readable(const at::Tensor& w, int64_t n, int64_t k) {
-  if (!w.is_mkldnn() || n <= 0 || k <= 0 || n % kPanel != 0) return false;
+  if (n <= 0 || k <= 0 || n % kPanel != 0) return false;
+  if (!w.is_mkldnn() && !(w.layout() == at::kStrided && w.device().is_cpu() && w.is_contiguous())) return false;
   const auto t = w.scalar_type();
   if (t == at::kFloat) {
     if (!compiled_fp32()) return false;
@@ -265,7 +270,12 @@ bool packed_gemm_readable(const at::Tensor& w, int64_t n, int64_t k) {
   } else {
     return false;
   }
-  return at::native::nbytes_from_mkldnn(w) == n * k * itemsize(t);
+  const int64_t bytes = w.is_mkldnn() ? at::native::nbytes_from_mkldnn(w) : w.numel() * itemsize(t);
+  return bytes == n * k * itemsize(t);
+}
+
+const void* weight_data(const at::Tensor& w) {
+  return w.is_mkldnn() ? at::native::data_ptr_from_mkldnn(w) : w.data_ptr();
 }
 
 // x: [M, K] contiguous, the weight's dtype; w: oneDNN-packed [n, K];
@@ -285,7 +295,7 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
   if (M == 0) return y;
 #if defined(__AVX512F__)
   if (x.scalar_type() == at::kFloat) {
-    const float* wp = static_cast<const float*>(at::native::data_ptr_from_mkldnn(w));
+    const float* wp = static_cast<const float*>(weight_data(w));
     float* yp = y.data_ptr<float>();
     for_each_panel<float>(M, K, n, x.data_ptr<float>(), wp, bp, yp, yp,
                           [&](auto mb, const float* xr, int64_t kl, const float* b, const float* bh, const Partial& pt,
@@ -297,7 +307,7 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
-    const uint16_t* wp = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(w));
+    const uint16_t* wp = static_cast<const uint16_t*>(weight_data(w));
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
     at::Tensor part;  // fp32 sums between k-blocks (none with a single block)

@@ -122,8 +122,10 @@ def test_weights_it_cannot_read_keep_onednn():
     assert not torch.ops.kvpager_cpu.packed_gemm_readable(odd, 48, 64)
     assert not packed_gemm.usable(odd, 48, 64)
     assert Linear(torch.randn(48, 64)).small_rows == 0
-    # A dense tensor is no packed weight; a wrong logical shape is refused too.
-    assert not torch.ops.kvpager_cpu.packed_gemm_readable(torch.randn(128, 64), 128, 64)
+    # A dense tensor is read as the kernel's layout (to_panels) only when it has the weight's size and is
+    # contiguous; a wrong logical shape is refused too.
+    assert not torch.ops.kvpager_cpu.packed_gemm_readable(torch.randn(128, 32), 128, 64)
+    assert not torch.ops.kvpager_cpu.packed_gemm_readable(torch.randn(64, 128).t(), 128, 64)
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(128, 64))
     assert not torch.ops.kvpager_cpu.packed_gemm_readable(packed, 128, 32)
     with pytest.raises(RuntimeError, match="not readable"):
@@ -137,3 +139,44 @@ def test_probe_refuses_a_layout_it_does_not_know():
     plain = torch.randn(128, 64).to_mkldnn()
     assert torch.ops.kvpager_cpu.packed_gemm_readable(plain, 128, 64)  # the size alone cannot tell
     assert not packed_gemm.usable(plain, 128, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_a_dense_copy_in_the_kernels_layout_reads_as_the_packed_weight(dtype, rows):
+    """``to_panels``: the plain weight rearranged into oneDNN's avx512_core
+    layout, as a dense tensor (where oneDNN packs another way: bf16 on AMX)."""
+    if not cpu_build.available() or (dtype == torch.bfloat16 and not packable(dtype)):
+        pytest.skip(f"no kernel for {dtype} here")
+    g = torch.Generator().manual_seed(rows)
+    n, k = 192, 96
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g)
+    panels = packed_gemm.to_panels(w)
+    if not torch.ops.kvpager_cpu.packed_gemm_readable(panels, n, k):
+        pytest.skip(f"this build has no {dtype} kernel")
+    assert not torch.ops.kvpager_cpu.packed_gemm_readable(panels[:1], n, k)  # too short
+    assert not torch.ops.kvpager_cpu.packed_gemm_readable(panels.transpose(0, 1), n, k)  # not contiguous
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    got = packed_gemm.gemm(x, panels, n, b)
+    torch.testing.assert_close(got.float(), packed_gemm.reference(x.float(), w.float(), b), **TOL[dtype])
+    assert packed_gemm.usable(torch.ops.mkldnn._reorder_linear_weight(w), n, k, panels=panels)
+
+
+def test_bf16_on_an_amx_cpu_takes_the_kernel_on_a_copy_for_up_to_three_rows():
+    if not (cpu_build.available() and cpu_build.has_amx() and packable(torch.bfloat16)):
+        pytest.skip("an AMX CPU's bf16 path")
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(128, 64, generator=g) / 8).to(torch.bfloat16)
+    b = torch.randn(128, generator=g).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    assert not packed_gemm.usable(packed, 128, 64, b)  # oneDNN's AMX layout: never read as the kernel's
+    lin = Linear(w, b)
+    assert lin.small_rows == packed_gemm.AMX_BF16_MAX_ROWS and lin._small is not lin.weight
+    onednn = lambda x: torch.ops.mkldnn._linear_pointwise(x, lin.weight, lin.bias, "none", [], "")  # noqa: E731
+    small = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    large = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    assert torch.equal(lin(small), packed_gemm.gemm(small, packed_gemm.to_panels(w), 128, b.float()))
+    assert torch.equal(lin(large), onednn(large))
+    torch.testing.assert_close(lin(small).float(), F.linear(small.float(), w.float(), b.float()),
+                               **TOL[torch.bfloat16])
