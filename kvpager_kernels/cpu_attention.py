@@ -38,14 +38,19 @@ TILE_MIN_QUERY = 2
 # this many pairs for the pool's dtype, by the CPU's class
 # (``cpu_build.cpu_class``); past it, the chunk's gather + SDPA wins. The
 # crossovers measured (docs/kernels.md): on an AVX-512 + AMX Xeon 16-bit SDPA
-# reaches the matrix units and wins from ~90 x 90, fp32 from ~180 x 180.
+# reaches the matrix units. One sequence alone, SDPA wins from ~190 x 190
+# (fp32 and bf16, the tiles on AVX512-BF16's pair dot product); in a step of
+# many prompts the kernel's one call over every sequence beats an SDPA call
+# per sequence up to 256 x 256 (the compare-vllm round's prefill, prompts of
+# 16-256 tokens: -5 % (bf16) and -4 % (fp32, 30M) against the old budgets
+# of 90 x 90 and 180 x 180); past 256 x 256 SDPA is 1.5-3x faster.
 # Without AMX, with AVX512-BF16 (bf16 tiles on its pair dot product), the
 # kernel stays ahead in bf16 up to 2,048 x 16,384 and 1,024 x 32,768 (0.4-0.7
 # of SDPA's time on a Zen 5 EPYC) and in fp32 up to 2,048 x 8,192 and
 # 512 x 32,768 (0.34-0.63 there; level at 2,048 x 2,048 on a Zen 4 EPYC);
 # elsewhere the budgets the fp32 kernel measured before the pair kernel.
 IN_PLACE_PAIRS = {
-    "amx": {torch.float32: 32768, torch.bfloat16: 8192, torch.float16: 8192},
+    "amx": {torch.float32: 65536, torch.bfloat16: 65536, torch.float16: 65536},
     "avx512_bf16": {torch.float32: 1 << 24, torch.bfloat16: 1 << 25, torch.float16: 1 << 22},
     "other": {torch.float32: 1 << 20, torch.bfloat16: 1 << 22, torch.float16: 1 << 22},
 }

@@ -36,12 +36,14 @@ MODEL_TYPES = ("llama", "mistral", "qwen2")
 # serves those).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # On CPU a step's MLP runs in row blocks of at most this many gate/up
-# (intermediate) elements: oneDNN's product for one [2,048, 2 x 4,864] gate/up
-# ran at half the speed of four [512, ...] ones on a 2-core AMX Xeon (bf16 and
-# fp32), and a block's intermediate stays in cache for SiLU and the down
-# projection (docs/benchmarks.md). Blocks change no arithmetic: rows are
-# independent.
-MLP_BLOCK_ELEMS = 6_000_000
+# (intermediate) elements, which bounds the step's largest activation (128 MB
+# in bf16). The bound was 6M, when a larger product's output was a fresh mmap
+# faulted in on every call (half the speed of four [512, ...] ones); with the
+# allocator keeping every block (``cpu.keep_freed_memory``) one product per
+# step is the faster: a 4,544-token prefill of the 0.5B Llama in 2,048-token
+# steps, 2.65 -> 2.60 s (bf16) and 12.8 -> 12.6 s (fp32) on the AMX Xeon
+# (docs/benchmarks.md). Blocks change no arithmetic: rows are independent.
+MLP_BLOCK_ELEMS = 1 << 26
 
 
 class Unsupported(ValueError):

@@ -86,7 +86,7 @@ def test_plan_splits_chunks_by_work_and_dtype(monkeypatch):
     context stays within the dtype's budget on an AMX CPU; None keeps only
     short queries."""
     monkeypatch.setattr(cpu_build, "cpu_class", lambda: "amx")
-    seq_lens, q_lens = [5, 300, 90, 600], [5, 40, 90, 300]  # pairs: 25, 12,000, 8,100, 180,000
+    seq_lens, q_lens = [5, 300, 400, 600], [5, 40, 250, 300]  # pairs: 25, 12,000, 100,000, 180,000
     batch = make_paged_batch(seq_lens, q_lens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                              dtype=torch.float32)
 
@@ -95,19 +95,19 @@ def test_plan_splits_chunks_by_work_and_dtype(monkeypatch):
                                             batch.k_cache.shape[0], window, dtype)
         return plan.in_place_seqs.tolist(), [c.start for c in plan.long_chunks]
 
-    assert split(torch.float32) == ([0, 1, 2], [5 + 40 + 90])
-    assert split(torch.bfloat16) == ([0, 2], [5, 5 + 40 + 90])
-    assert split(torch.float16) == split(torch.bfloat16)
-    assert split(None) == ([0], [5, 45, 135])
-    # a window bounds the attended context: 300 rows x (300 + 16 - 1) keys is still over budget
-    assert split(torch.float32, window=16) == ([0, 1, 2], [135])
-    assert split(torch.bfloat16, window=8) == ([0, 1, 2], [135])  # 40 x 47 in budget now
+    # On AMX every dtype keeps chunks up to 256 x 256 pairs in place (65,536).
+    assert split(torch.float32) == ([0, 1], [5 + 40, 5 + 40 + 250])
+    assert split(torch.bfloat16) == split(torch.float16) == split(torch.float32)
+    assert split(None) == ([0], [5, 45, 295])
+    # a window bounds the attended context: 250 rows x (250 + 16 - 1) keys is still over budget,
+    assert split(torch.float32, window=16) == ([0, 1], [45, 295])
+    assert split(torch.bfloat16, window=8) == ([0, 1, 2], [295])  # 250 x 257 in budget now
 
     # Without AMX, 16-bit SDPA has no matrix units and the kernel keeps far larger chunks.
     for cpu in ("avx512_bf16", "other"):
         monkeypatch.setattr(cpu_build, "cpu_class", lambda cpu=cpu: cpu)
         assert split(torch.bfloat16) == split(torch.float32) == ([0, 1, 2, 3], [])
-        assert split(None) == ([0], [5, 45, 135])
+        assert split(None) == ([0], [5, 45, 295])
     # Every chunk of a 2,048-token step of a 2,048-token prompt; with the pair
     # dot product such a chunk 8,192 tokens into its context in fp32, 16,384 in bf16.
     assert cpu_attention.in_place_pairs(torch.float32, "other") < 2048 * 2048 <= \
