@@ -38,12 +38,12 @@ TILE_MIN_QUERY = 2
 # this many pairs for the pool's dtype, by the CPU's class
 # (``cpu_build.cpu_class``); past it, the chunk's gather + SDPA wins. The
 # crossovers measured (docs/kernels.md): on an AVX-512 + AMX Xeon 16-bit SDPA
-# reaches the matrix units. One sequence alone, SDPA wins from ~190 x 190
-# (fp32 and bf16, the tiles on AVX512-BF16's pair dot product); in a step of
+# reaches the matrix units. For one bf16 sequence alone SDPA wins from
+# ~190 x 190 (the tiles on AVX512-BF16's pair dot product); in a step of
 # many prompts the kernel's one call over every sequence beats an SDPA call
 # per sequence up to 256 x 256 (the compare-vllm round's prefill, prompts of
-# 16-256 tokens: -5 % (bf16) and -4 % (fp32, 30M) against the old budgets
-# of 90 x 90 and 180 x 180); past 256 x 256 SDPA is 1.5-3x faster.
+# 16-256 tokens: -5 % in bf16 (0.5B) and -4 % in fp32 (30M) against the old
+# budgets of 90 x 90 and 180 x 180); past 256 x 256 bf16 SDPA is 1.5-3x faster.
 # Without AMX, with AVX512-BF16 (bf16 tiles on its pair dot product), the
 # kernel stays ahead in bf16 up to 2,048 x 16,384 and 1,024 x 32,768 (0.4-0.7
 # of SDPA's time on a Zen 5 EPYC) and in fp32 up to 2,048 x 8,192 and

@@ -99,7 +99,7 @@ def test_plan_splits_chunks_by_work_and_dtype(monkeypatch):
     assert split(torch.float32) == ([0, 1], [5 + 40, 5 + 40 + 250])
     assert split(torch.bfloat16) == split(torch.float16) == split(torch.float32)
     assert split(None) == ([0], [5, 45, 295])
-    # a window bounds the attended context: 250 rows x (250 + 16 - 1) keys is still over budget,
+    # a window bounds the attended context: 250 rows x (250 + 16 - 1) keys is still over budget
     assert split(torch.float32, window=16) == ([0, 1], [45, 295])
     assert split(torch.bfloat16, window=8) == ([0, 1, 2], [295])  # 250 x 257 in budget now
 
