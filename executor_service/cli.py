@@ -158,14 +158,16 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as exc:  # a wrong model path, a port in use, a TLS cert without its key ...
         return report("kvpager executor", exc)
-    from executor_service.cpu import keep_freed_memory
+    from executor_service.cpu_allocator import keep_freed_memory
+    from kvpager.telemetry import get_logger
 
     # Now, on the main thread, before any thread has an arena of its own (the model loads on
     # another): one arena for every thread (see keep_freed_memory).
-    keep_freed_memory()
+    allocator = keep_freed_memory()
+    get_logger(__name__).info("memory allocator", malloc=allocator.malloc_library,
+                              glibc_keeps_freed_blocks=allocator.glibc_kept)
     if cores is not None:  # before the model loads and any OpenMP or gRPC thread starts: they inherit it
         from executor_service.cpu import restrict_to_cores
-        from kvpager.telemetry import get_logger
 
         restrict_to_cores(cores)
         get_logger(__name__).info("executor runs on its own CPUs", cpus=list(cores))

@@ -1,6 +1,6 @@
-"""How a CPU executor uses its machine: the allocator's settings, the
-intra-op thread count of each step, chosen from measured step times, and
-which core each of the step's threads runs on."""
+"""How a CPU executor uses its machine: the intra-op thread count of each
+step, chosen from measured step times, and which core each of the step's
+threads runs on (the allocator's settings: cpu_allocator)."""
 
 from __future__ import annotations
 
@@ -17,39 +17,6 @@ log = get_logger(__name__)
 
 # Set by a user who places OpenMP threads themselves: the executor then binds nothing.
 AFFINITY_ENV = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
-
-
-def keep_freed_memory() -> bool:
-    """Tell glibc malloc to keep freed memory for reuse (process-wide, idempotent).
-
-    A forward allocates and frees megabyte-sized activations and KV gathers
-    many times per step. By default glibc serves those with fresh mmaps and
-    trims freed heap tops back to the OS, so every step page-faults its
-    working set in again: measured on the 2-core CI machine, a 32-sequence
-    decode step of the 30M model spent ~1.1M minor faults per 40 steps and
-    took 58-66 ms; with a 32 MiB mmap threshold (glibc's maximum) and a 1 GiB
-    trim threshold, 0.15M faults and 33-41 ms. Blocks past 32 MiB (a prefill's
-    gate/up product: 2,048 x 9,728 bf16 is 40 MB on the 0.5B Llama) were still
-    fresh mmaps, faulted in on every call: no mmaps at all (``M_MMAP_MAX`` 0,
-    every block from the heap) took a 4,544-token prefill of the 0.5B model,
-    its MLP in one block, from 467k faults and 3.1 s to none and 2.6 s on the
-    AMX Xeon. And one arena for every thread: a thread's own arena grows in
-    64 MiB heaps that glibc unmaps whenever one empties, so a forward on the
-    step worker thread faulted its large blocks in again (260k faults and
-    2.8 s a round against none and 2.45 s on the main thread). Call it before
-    the process starts the threads that run steps: a thread keeps the arena
-    it has. Returns False where mallopt is not available (not glibc).
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold, m_mmap_max, m_arena_max = -1, -3, -4, -8
-        return all(libc.mallopt(option, value) for option, value in (
-            (m_mmap_threshold, 32 << 20), (m_trim_threshold, 1 << 30), (m_mmap_max, 0), (m_arena_max, 1)))
-    except (OSError, AttributeError):
-        return False
 
 
 def allowed_cores() -> tuple[int, ...]:

@@ -26,8 +26,8 @@ from executor_service.cuda_graphs import capture_decode_graphs
 from executor_service.history import TokenHistories
 from executor_service.info import ExecutorInfo
 from executor_service.placeholders import LastSamples
-from executor_service.cpu import (CoreBinding, ThreadTuner, allowed_cores, bind_team_op, keep_freed_memory,
-                                  thread_candidates)
+from executor_service.cpu import CoreBinding, ThreadTuner, allowed_cores, bind_team_op, thread_candidates
+from executor_service.cpu_allocator import keep_freed_memory
 from executor_service.greedy import greedy_only, greedy_tokens
 from executor_service.kv_layout import make_layout, pool_tokens
 from executor_service.kv_pool import GIB, KvPool, block_bytes, num_blocks_for_bytes

@@ -39,7 +39,7 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # (intermediate) elements, which bounds the step's largest activation (128 MB
 # in bf16). The bound was 6M, when a larger product's output was a fresh mmap
 # faulted in on every call (half the speed of four [512, ...] ones); with the
-# allocator keeping every block (``cpu.keep_freed_memory``) one product per
+# allocator keeping every block (``cpu_allocator.keep_freed_memory``) one product per
 # step is the faster: a 4,544-token prefill of the 0.5B Llama in 2,048-token
 # steps, 2.65 -> 2.60 s (bf16) and 12.8 -> 12.6 s (fp32) on the AMX Xeon
 # (docs/benchmarks.md). Blocks change no arithmetic: rows are independent.
