@@ -92,7 +92,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 # The scheduling flags' destinations: `kvpager up` offers the same group and passes each one on.
 SCHEDULING_DESTS = ("policy", "max_batch_tokens", "max_running", "max_waiting", "stream_interval", "plan_ahead",
-                    "num_scheduler_steps", "max_burst_ms", "cut_bursts", "burst_plan_lead_ms")
+                    "num_scheduler_steps", "max_burst_ms", "cut_bursts", "burst_plan_lead_ms", "arrival_settle_ms")
 
 
 def positive_int(text: str) -> int:
@@ -161,6 +161,11 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
                         "executor does not wait for the result and the next plan between bursts; a request "
                         "arriving in that window waits for the burst's end (default 6; 0: a burst's next "
                         "step is planned after it returns)")
+    g.add_argument("--arrival-settle-ms", type=non_negative_float, default=3.0,
+                   help="with plan-ahead, the step planned while a prefill runs waits, when it is not full, "
+                        "until no request has arrived for this long (or the prefill returns), so prompts sent "
+                        "together go out in full steps; a request arriving at an idle executor is planned at "
+                        "once (default 3; 0: planned at once)")
 
 
 def scheduling_argv(args: argparse.Namespace) -> list[str]:
@@ -169,7 +174,7 @@ def scheduling_argv(args: argparse.Namespace) -> list[str]:
             "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting),
             "--stream-interval", str(args.stream_interval),
             "--num-scheduler-steps", str(args.num_scheduler_steps), "--max-burst-ms", f"{args.max_burst_ms:g}",
-            "--burst-plan-lead-ms", f"{args.burst_plan_lead_ms:g}"]
+            "--burst-plan-lead-ms", f"{args.burst_plan_lead_ms:g}", "--arrival-settle-ms", f"{args.arrival_settle_ms:g}"]
     if not args.plan_ahead:
         argv.append("--no-plan-ahead")
     if not args.cut_bursts:
@@ -230,6 +235,7 @@ def config_from_args(args: argparse.Namespace):
                                              num_scheduler_steps=args.num_scheduler_steps,
                                              max_burst_ms=args.max_burst_ms, cut_bursts=args.cut_bursts,
                                              burst_plan_lead_ms=args.burst_plan_lead_ms,
+                                             arrival_settle_ms=args.arrival_settle_ms,
                                              executor_info_timeout_s=args.executor_info_timeout_s,
                                              caps=caps, recovery=RecoveryConfig(args.max_retries,
                                                                                 args.recovery_timeout_s)),

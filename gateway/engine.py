@@ -25,6 +25,7 @@ from kvpager.log_limits import clip
 from kvpager.telemetry import get_logger
 from kvpager.v1 import common_pb2, executor_pb2, memory_pb2
 from gateway import failures, metrics, wire
+from gateway.arrivals import ArrivalSettle
 from gateway.beam import BeamSearch
 from gateway.bursts import fed_by_burst, may_cut
 from gateway.clients import ExecutorClient, MemoryClient
@@ -75,6 +76,8 @@ class Engine:
         self._inflight: list[Call] = []  # oldest first
         self._parts = asyncio.Event()  # a streamed burst's sub-step came back
         self._depth = 2 if config.plan_ahead else 1  # Executes one executor may have in flight (one planned ahead)
+        self.arrivals = ArrivalSettle(config.arrival_settle_ms / 1e3, config.max_batch_tokens, config.max_running)
+        self._replan_at = 0.0  # a step held for arrivals to settle is planned then (perf_counter; 0: none)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self.fenced = ""  # why another gateway took the memory service over ("" while this one drives it)
@@ -169,6 +172,7 @@ class Engine:
         seq = self.requests.admit(req, executor_id, self.tokenizer)
         if req.spec.beam_width > 1:
             self.beams.start(req, seq)
+        self.arrivals.admitted(time.perf_counter())
         self._wake.set()
 
     async def stream(self, req: Request) -> AsyncIterator[Output]:
@@ -240,8 +244,18 @@ class Engine:
         for call in self._inflight:
             running[call.ex.executor_id] = running.get(call.ex.executor_id, 0) + 1
         idle = [eid for eid in self.executors if running.get(eid, 0) < self._depth]
-        batch = self.scheduler.schedule(self.sequences, idle, self.executors.limits.max_model_len if idle else 0,
-                                        bursts_running(self._inflight, t0, self.scheduler.clock, self._lead_s))
+        hold = bursts_running(self._inflight, t0, self.scheduler.clock, self._lead_s)
+        batch = self.scheduler.schedule(self.sequences, idle, self.executors.limits.max_model_len if idle else 0, hold)
+        self._replan_at = 0.0
+        if self._depth > 1 and self._inflight:
+            # Behind a running prefill, while requests still arrive: planned when they settle (gateway.arrivals).
+            held = self.arrivals.waiting(t0, self._inflight, zip((s.executor_id for s in batch.seqs), batch.num_tokens))
+            if held:
+                metrics.STEPS_HELD_FOR_ARRIVALS.inc(len(held))
+                self._replan_at = self.arrivals.settles_at
+                idle = [eid for eid in idle if eid not in held]
+                batch = self.scheduler.schedule(self.sequences, idle,
+                                                self.executors.limits.max_model_len if idle else 0, hold)
         # Sampled tokens alone ride with the next plan while Executes run (a Step would take cores from the forward).
         if not batch and (not self.sequences.changes or (self._inflight and self.sequences.changes.only_appends())):
             self.outbox.flush()
@@ -335,6 +349,8 @@ class Engine:
         planned), taking a streamed burst's sub-steps as they come; then apply
         every finished one in order."""
         plan_at = next_burst_plan(self._inflight, time.perf_counter(), self.scheduler.clock, self._lead_s)
+        if self._replan_at:  # a step held for arrivals to settle
+            plan_at = min(plan_at, self._replan_at) if plan_at else self._replan_at
         while not any(call.task.done() for call in self._inflight) and not self._wake.is_set():
             now = time.perf_counter()
             if plan_at and now >= plan_at:

@@ -34,6 +34,9 @@ class EngineConfig:
     # With plan_ahead, a burst's next step is planned this long (at least one forward) before the
     # burst should end (gateway.inflight.bursts_running); 0: after the burst returns.
     burst_plan_lead_ms: float = 6.0
+    # With plan_ahead, the step planned ahead behind a running prefill waits while requests still
+    # arrive (the latest this recently) and it is not full (gateway.arrivals); 0: planned at once.
+    arrival_settle_ms: float = 3.0
     caps: RequestCaps = field(default_factory=RequestCaps)  # what one request may ask (docs/security.md)
     # Streams that outlive a lost memory service or executor (gateway/recovery.py).
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)

@@ -116,6 +116,10 @@ SEQUENCES_READMITTED = Counter("kvpager_gateway_sequences_readmitted_total",
 ROWS_FED_AHEAD = Counter("kvpager_gateway_rows_fed_ahead_total",
                          "Decode rows sent fed with the token the executor's step before was still sampling.",
                          registry=REGISTRY)
+STEPS_HELD_FOR_ARRIVALS = Counter("kvpager_gateway_steps_held_for_arrivals_total",
+                                  "Times an executor's step, to be planned ahead behind its running prefill and "
+                                  "not full, waited for arriving requests to settle (--arrival-settle-ms).",
+                                  registry=REGISTRY)
 STEPS_BEHIND_BURST = Counter("kvpager_gateway_steps_planned_behind_burst_total",
                              "Steps sent while a decode burst ran on their executor, fed its last samples "
                              "(planned near its end: --burst-plan-lead-ms).", registry=REGISTRY)

@@ -168,8 +168,12 @@ def test_the_burst_flag_is_bounded():
             p.parse_args(["--max-burst-ms", bad])
         with pytest.raises(SystemExit):
             p.parse_args(["--burst-plan-lead-ms", bad])
+        with pytest.raises(SystemExit):
+            p.parse_args(["--arrival-settle-ms", bad])
     assert p.parse_args([]).burst_plan_lead_ms == 6.0
     assert p.parse_args(["--burst-plan-lead-ms", "0"]).burst_plan_lead_ms == 0.0
+    assert p.parse_args([]).arrival_settle_ms == 3.0
+    assert p.parse_args(["--arrival-settle-ms", "0"]).arrival_settle_ms == 0.0
 
 
 def test_only_a_step_that_prefills_cuts_the_burst_running_before_it():

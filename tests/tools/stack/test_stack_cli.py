@@ -51,7 +51,7 @@ def test_up_two_executors_exact_command_lines():
                                 "--grace-s", "30", "--log-level", "INFO", "--policy", "priority",
                                 "--max-batch-tokens", "2048", "--max-running", "64", "--max-waiting", "1024",
                                 "--stream-interval", "1", "--num-scheduler-steps", "8", "--max-burst-ms", "30",
-                                "--burst-plan-lead-ms", "6"]
+                                "--burst-plan-lead-ms", "6", "--arrival-settle-ms", "3"]
     assert [c.address for c in children] == ["127.0.0.1:50051", "127.0.0.1:50060", "127.0.0.1:50061",
                                              "127.0.0.1:50050"]
     assert [c.metrics_port for c in children] == [9100, 9102, 9103, 9101]
@@ -80,11 +80,11 @@ def test_up_passes_every_gateway_scheduling_option():
     gateway = children_for("--policy", "fcfs", "--max-batch-tokens", "96", "--max-running", "7",
                            "--max-waiting", "33", "--stream-interval", "5", "--num-scheduler-steps", "6",
                            "--max-burst-ms", "12.5", "--no-plan-ahead", "--no-cut-bursts",
-                           "--burst-plan-lead-ms", "4.5")[-1].argv
+                           "--burst-plan-lead-ms", "4.5", "--arrival-settle-ms", "1.5")[-1].argv
     flags = gateway[gateway.index("--policy"):]
     assert flags == ["--policy", "fcfs", "--max-batch-tokens", "96", "--max-running", "7", "--max-waiting", "33",
                      "--stream-interval", "5", "--num-scheduler-steps", "6", "--max-burst-ms", "12.5",
-                     "--burst-plan-lead-ms", "4.5", "--no-plan-ahead", "--no-cut-bursts"]
+                     "--burst-plan-lead-ms", "4.5", "--arrival-settle-ms", "1.5", "--no-plan-ahead", "--no-cut-bursts"]
     import argparse
 
     p = argparse.ArgumentParser()
@@ -92,7 +92,7 @@ def test_up_passes_every_gateway_scheduling_option():
     got = p.parse_args(["--model", "m", *flags])
     assert {d: getattr(got, d) for d in SCHEDULING_DESTS} == dict(
         policy="fcfs", max_batch_tokens=96, max_running=7, max_waiting=33, stream_interval=5, plan_ahead=False,
-        num_scheduler_steps=6, max_burst_ms=12.5, cut_bursts=False, burst_plan_lead_ms=4.5)
+        num_scheduler_steps=6, max_burst_ms=12.5, cut_bursts=False, burst_plan_lead_ms=4.5, arrival_settle_ms=1.5)
     # every option of the gateway's scheduling group is one `kvpager up` takes
     group = next(g for g in p._action_groups if g.title.startswith("scheduling"))
     assert {a.dest for a in group._group_actions} == set(SCHEDULING_DESTS)
