@@ -20,9 +20,9 @@ from gateway.arrivals import ArrivalSettle
 from gateway.inflight import Call
 
 
-def call(executor_id: str, *token_counts: int, burst: int = 0) -> Call:
+def call(executor_id: str, *token_counts: int, burst: int = 0, planned: float = 0.0) -> Call:
     rows = [wire.Row(seq=None, start=0, token_ids=[5] * n, burst=burst) for n in token_counts]
-    return Call(SimpleNamespace(executor_id=executor_id), None, rows, sent=0.0, step_start=0.0)
+    return Call(SimpleNamespace(executor_id=executor_id), None, rows, sent=planned, step_start=planned)
 
 
 def test_a_step_behind_a_prefill_waits_while_requests_arrive():
@@ -48,6 +48,8 @@ def test_a_full_step_a_decode_or_nothing_planned_does_not_wait():
     # e0 runs a prefill then a planned-ahead decode step: its latest call decides
     assert settle.waiting(10.001, [call("e0", 20), call("e0", 1)], [("e0", 5)]) == set()
     assert settle.waiting(10.001, [call("e0", 20), call("e1", 1)], [("e0", 5), ("e1", 5)]) == {"e0"}
+    # A prefill planned after the latest arrival (a lone request's own): its decode is planned at once.
+    assert settle.waiting(10.001, [call("e0", 20, planned=10.0005)], [("e0", 1)]) == set()
 
 
 def test_no_settle_time_never_waits():
@@ -66,10 +68,12 @@ async def stack(model):
     await stack.stop()
 
 
-async def steps_of(stack, settle_ms: float, first: list[int], others: list[list[int]], oracle) -> list[list[int]]:
+async def steps_of(stack, settle_ms: float, first: list[int], others: list[list[int]], oracle,
+                   planned: list[float] | None = None) -> list[list[int]]:
     """Sends ``first``, then ``others`` 5 ms apart (each forward 0.4 s slower,
     in the executor's step thread: the first prefill runs while they come);
-    returns each Execute's rows as their token counts, in order."""
+    returns each Execute's rows as their token counts, in order (and when
+    each was planned into ``planned``)."""
     engine = stack.gateway.engine
     runner = stack.executors[0].executor.runner
     forward, rows_of, settle_s = runner.forward, engine._rows, engine.arrivals.settle_s
@@ -82,6 +86,8 @@ async def steps_of(stack, settle_ms: float, first: list[int], others: list[list[
     def spy(ep):
         rows = rows_of(ep)
         steps.append([len(row.token_ids) for row in rows])
+        if planned is not None:
+            planned.append(time.perf_counter())
         return rows
 
     async def one(p):
@@ -123,4 +129,15 @@ async def test_without_settling_the_first_arrival_is_planned_alone(stack, oracle
     assert steps[0] == [len(first)]
     # Planned as soon as the first prefill was sent: what had come by then (its decode, maybe one more).
     assert sorted(steps[1]) in ([1], sorted([1, len(others[0])])), steps
+    assert metrics.STEPS_HELD_FOR_ARRIVALS._value.get() == held
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_lone_requests_decode_is_planned_at_once_behind_its_prefill(stack, oracle):
+    """Its own arrival does not hold the step after its prefill (nothing came after it)."""
+    held = metrics.STEPS_HELD_FOR_ARRIVALS._value.get()
+    planned: list[float] = []
+    steps = await steps_of(stack, 100.0, prompts(1, seed=63)[0], [], oracle, planned)
+    assert [len(step) for step in steps[:2]] == [1, 1] and steps[1] == [1], steps
+    assert planned[1] - planned[0] < 0.05, planned  # at once, not 100 ms after its arrival
     assert metrics.STEPS_HELD_FOR_ARRIVALS._value.get() == held
