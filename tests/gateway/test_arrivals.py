@@ -109,27 +109,21 @@ async def steps_of(stack, settle_ms: float, first: list[int], others: list[list[
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_prompts_arriving_during_a_prefill_go_out_in_one_step(stack, oracle):
-    first, *others = prompts(4, seed=61)
+@pytest.mark.parametrize("settle_ms", [100.0, 0.0])
+async def test_prompts_arriving_during_a_prefill_go_out_in_one_step(stack, oracle, settle_ms):
+    """100 ms: arrivals 5 ms apart settle whatever the machine's load (the
+    prefill runs 400 ms). 0, the control: the step behind the first prefill
+    is planned as soon as that one is sent."""
+    first, *others = prompts(4, seed=61 if settle_ms else 62)  # no prefix shared with the other run
     held = metrics.STEPS_HELD_FOR_ARRIVALS._value.get()
-    # 100 ms: arrivals 5 ms apart settle whatever the machine's load; the prefill runs 400 ms.
-    steps = await steps_of(stack, 100.0, first, others, oracle)
+    steps = await steps_of(stack, settle_ms, first, others, oracle)
     assert steps[0] == [len(first)]
-    # The step after the first prefill: its decode (fed ahead) and the three prompts that came, together.
-    assert sorted(steps[1]) == sorted([1, *map(len, others)]), steps
-    assert metrics.STEPS_HELD_FOR_ARRIVALS._value.get() > held
-
-
-@pytest.mark.asyncio(loop_scope="module")
-async def test_without_settling_the_first_arrival_is_planned_alone(stack, oracle):
-    """The control: the same arrivals with --arrival-settle-ms 0."""
-    first, *others = prompts(4, seed=62)
-    held = metrics.STEPS_HELD_FOR_ARRIVALS._value.get()
-    steps = await steps_of(stack, 0.0, first, others, oracle)
-    assert steps[0] == [len(first)]
-    # Planned as soon as the first prefill was sent: what had come by then (its decode, maybe one more).
-    assert sorted(steps[1]) in ([1], sorted([1, len(others[0])])), steps
-    assert metrics.STEPS_HELD_FOR_ARRIVALS._value.get() == held
+    if settle_ms:  # the first prompt's decode (fed ahead) and the three prompts that came, together
+        assert sorted(steps[1]) == sorted([1, *map(len, others)]), steps
+        assert metrics.STEPS_HELD_FOR_ARRIVALS._value.get() > held
+    else:  # what had come by then: its decode, maybe one more
+        assert sorted(steps[1]) in ([1], sorted([1, len(others[0])])), steps
+        assert metrics.STEPS_HELD_FOR_ARRIVALS._value.get() == held
 
 
 @pytest.mark.asyncio(loop_scope="module")
