@@ -22,7 +22,9 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 
+from gateway import metrics
 from gateway.inflight import Call, latest
+from gateway.scheduling import Batch, Scheduler
 
 
 def computes_prompt(call: Call) -> bool:
@@ -40,6 +42,7 @@ class ArrivalSettle:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.last_admit = -math.inf
+        self.replan_at = 0.0  # when a step held by the latest schedule is planned (perf_counter; 0.0: none)
 
     def admitted(self, now: float) -> None:
         self.last_admit = now
@@ -68,3 +71,22 @@ class ArrivalSettle:
             rows[executor_id] += 1
         return {eid for eid in behind
                 if tokens[eid] and tokens[eid] < self.max_batch_tokens and rows[eid] < self.max_running}
+
+    def schedule(self, scheduler: Scheduler, seqs, idle: list[str], max_model_len: int, hold, calls: list[Call],
+                 now: float) -> Batch:
+        """``scheduler``'s batch for the ``idle`` executors less those whose
+        step waits (``waiting``; ``calls``: the Executes that steps would be
+        planned behind, none without plan-ahead); ``replan_at`` says when
+        to plan again."""
+        batch = scheduler.schedule(seqs, idle, max_model_len if idle else 0, hold)
+        held = self.waiting(now, calls, zip((s.executor_id for s in batch.seqs), batch.num_tokens)) if calls else ()
+        self.replan_at = self.settles_at if held else 0.0
+        if not held:
+            return batch
+        metrics.STEPS_HELD_FOR_ARRIVALS.inc(len(held))
+        idle = [eid for eid in idle if eid not in held]
+        return scheduler.schedule(seqs, idle, max_model_len if idle else 0, hold)
+
+    def wake_at(self, plan_at: float) -> float:
+        """The earlier of ``plan_at`` (0.0: none) and ``replan_at``: when the loop plans next."""
+        return min((t for t in (plan_at, self.replan_at) if t), default=0.0)

@@ -7,8 +7,11 @@ work, scheduled under a token budget with chunked prefill) + one
 stream what was sampled. Its parts: ``Executors`` (membership),
 ``RequestBook`` (requests in flight, aborts, endings), ``SequenceTable``
 (the live sequences and their changes), ``Scheduler`` (policy and budget),
-``wire`` (message builders), ``RowBuilder`` (an executor's rows), ``BeamSearch``; this module is only the loop. All state is mutated by the loop task alone; other
-coroutines post work (new requests, aborts, executor changes) and wake it.
+``ArrivalSettle`` (a step behind a prefill waits for arrivals), ``wire``
+(message builders), ``RowBuilder`` (an executor's rows), ``BeamSearch``.
+This module is one concept, the loop, and nothing else. All state is
+mutated by the loop task alone; other coroutines post work (new requests,
+aborts, executor changes) and wake it.
 """
 
 from __future__ import annotations
@@ -77,7 +80,6 @@ class Engine:
         self._parts = asyncio.Event()  # a streamed burst's sub-step came back
         self._depth = 2 if config.plan_ahead else 1  # Executes one executor may have in flight (one planned ahead)
         self.arrivals = ArrivalSettle(config.arrival_settle_ms / 1e3, config.max_batch_tokens, config.max_running)
-        self._replan_at = 0.0  # a step held for arrivals to settle is planned then (perf_counter; 0: none)
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self.fenced = ""  # why another gateway took the memory service over ("" while this one drives it)
@@ -244,18 +246,11 @@ class Engine:
         for call in self._inflight:
             running[call.ex.executor_id] = running.get(call.ex.executor_id, 0) + 1
         idle = [eid for eid in self.executors if running.get(eid, 0) < self._depth]
-        hold = bursts_running(self._inflight, t0, self.scheduler.clock, self._lead_s)
-        batch = self.scheduler.schedule(self.sequences, idle, self.executors.limits.max_model_len if idle else 0, hold)
-        self._replan_at = 0.0
-        if self._depth > 1 and self._inflight:
-            # Behind a running prefill, while requests still arrive: planned when they settle (gateway.arrivals).
-            held = self.arrivals.waiting(t0, self._inflight, zip((s.executor_id for s in batch.seqs), batch.num_tokens))
-            if held:
-                metrics.STEPS_HELD_FOR_ARRIVALS.inc(len(held))
-                self._replan_at = self.arrivals.settles_at
-                idle = [eid for eid in idle if eid not in held]
-                batch = self.scheduler.schedule(self.sequences, idle,
-                                                self.executors.limits.max_model_len if idle else 0, hold)
+        # Behind a running prefill, while requests still arrive, a step waits for them (gateway.arrivals).
+        batch = self.arrivals.schedule(
+            self.scheduler, self.sequences, idle, self.executors.limits.max_model_len,
+            bursts_running(self._inflight, t0, self.scheduler.clock, self._lead_s),
+            self._inflight if self._depth > 1 else [], t0)
         # Sampled tokens alone ride with the next plan while Executes run (a Step would take cores from the forward).
         if not batch and (not self.sequences.changes or (self._inflight and self.sequences.changes.only_appends())):
             self.outbox.flush()
@@ -348,9 +343,8 @@ class Engine:
         executor may take it now, or a burst nears its end: its next step is
         planned), taking a streamed burst's sub-steps as they come; then apply
         every finished one in order."""
-        plan_at = next_burst_plan(self._inflight, time.perf_counter(), self.scheduler.clock, self._lead_s)
-        if self._replan_at:  # a step held for arrivals to settle
-            plan_at = min(plan_at, self._replan_at) if plan_at else self._replan_at
+        plan_at = self.arrivals.wake_at(next_burst_plan(self._inflight, time.perf_counter(), self.scheduler.clock,
+                                                        self._lead_s))
         while not any(call.task.done() for call in self._inflight) and not self._wake.is_set():
             now = time.perf_counter()
             if plan_at and now >= plan_at:
