@@ -9,11 +9,15 @@ tokens, 0.31 s of forwards, against 0.23 s in three full steps. So while
 requests are still arriving (the last one less than ``settle_s`` ago), an
 executor that runs a prefill gets its next step planned only once the
 arrivals pause, that step is full, or the prefill returns: the prefill's
-forward lasts tens of milliseconds, the pause costs it nothing. Only a
-request that arrived after that prefill was planned holds its next step: a
-lone request's own decode is planned at once behind it, as before, and so
-is a request at an idle executor. A decode burst running is not held (a
-request arriving cuts it, as before).
+forward lasts tens of milliseconds, the pause costs it nothing. A lone
+request's own decode waits too (whether another is coming is not known
+yet): it is still planned while the prefill runs unless that prefill is
+shorter than the settle time, and then it waits at most that. Holding only
+for requests that came after the prefill was planned would plan the first
+prompt's decode alone whenever the loop got to it before the second
+prompt came: a step of one row, nearly a full decode step's time. An idle
+executor's first step is never held, and a decode burst running is not
+(a request arriving cuts it, as before).
 """
 
 from __future__ import annotations
@@ -54,14 +58,12 @@ class ArrivalSettle:
 
     def waiting(self, now: float, calls: list[Call], planned: Iterable[tuple[str, int]]) -> set[str]:
         """Executors whose step, planned now, would wait instead: each runs a
-        prefill (its latest call in ``calls``) planned before the latest
-        arrival, arrivals have not settled, and its part of ``planned``
-        ((executor id, tokens) per sequence) fills neither its token budget
-        nor its sequences."""
+        prefill (its latest call in ``calls``), arrivals have not settled, and
+        its part of ``planned`` ((executor id, tokens) per sequence) fills
+        neither its token budget nor its sequences."""
         if now >= self.settles_at:
             return set()
-        behind = {call.ex.executor_id for call in latest(calls)
-                  if call.step_start < self.last_admit and computes_prompt(call)}
+        behind = {call.ex.executor_id for call in latest(calls) if computes_prompt(call)}
         if not behind:
             return set()
         tokens: Counter[str] = Counter()

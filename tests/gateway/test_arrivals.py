@@ -48,8 +48,8 @@ def test_a_full_step_a_decode_or_nothing_planned_does_not_wait():
     # e0 runs a prefill then a planned-ahead decode step: its latest call decides
     assert settle.waiting(10.001, [call("e0", 20), call("e0", 1)], [("e0", 5)]) == set()
     assert settle.waiting(10.001, [call("e0", 20), call("e1", 1)], [("e0", 5), ("e1", 5)]) == {"e0"}
-    # A prefill planned after the latest arrival (a lone request's own): its decode is planned at once.
-    assert settle.waiting(10.001, [call("e0", 20, planned=10.0005)], [("e0", 1)]) == set()
+    # A prefill planned after the latest arrival (a lone request's own) waits all the same.
+    assert settle.waiting(10.001, [call("e0", 20, planned=10.0005)], [("e0", 1)]) == {"e0"}
 
 
 def test_no_settle_time_never_waits():
@@ -128,11 +128,13 @@ async def test_prompts_arriving_during_a_prefill_go_out_in_one_step(stack, oracl
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_a_lone_requests_decode_is_planned_at_once_behind_its_prefill(stack, oracle):
-    """Its own arrival does not hold the step after its prefill (nothing came after it)."""
+async def test_a_lone_requests_decode_waits_the_settle_time_and_no_longer(stack, oracle):
+    """Its own arrival holds the step behind its prefill (another may be
+    coming) for the settle time, 100 ms here; it is then planned while the
+    0.4 s prefill still runs, so the executor does not wait for it."""
     held = metrics.STEPS_HELD_FOR_ARRIVALS._value.get()
     planned: list[float] = []
     steps = await steps_of(stack, 100.0, prompts(1, seed=63)[0], [], oracle, planned)
     assert [len(step) for step in steps[:2]] == [1, 1] and steps[1] == [1], steps
-    assert planned[1] - planned[0] < 0.05, planned  # at once, not 100 ms after its arrival
-    assert metrics.STEPS_HELD_FOR_ARRIVALS._value.get() == held
+    assert 0.09 < planned[1] - planned[0] < 0.3, planned
+    assert metrics.STEPS_HELD_FOR_ARRIVALS._value.get() > held
