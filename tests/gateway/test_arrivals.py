@@ -136,5 +136,5 @@ async def test_a_lone_requests_decode_waits_the_settle_time_and_no_longer(stack,
     planned: list[float] = []
     steps = await steps_of(stack, 100.0, prompts(1, seed=63)[0], [], oracle, planned)
     assert [len(step) for step in steps[:2]] == [1, 1] and steps[1] == [1], steps
-    assert 0.09 < planned[1] - planned[0] < 0.3, planned
+    assert 0.05 < planned[1] - planned[0] < 0.3, planned  # held ~0.1 s, planned before the prefill ends
     assert metrics.STEPS_HELD_FOR_ARRIVALS._value.get() > held
