@@ -84,7 +84,8 @@ def plan_windows(backend: KernelBackend, windows: list[int | None], groups: list
     if backend.plan_attention is None:
         return None
     return {(g, w): backend.plan_attention(batch.tables_of(g), batch.seq_lens, batch.query_start_loc,
-                                           k_cache.shape[1], k_cache.shape[0], window=w, dtype=k_cache.dtype)
+                                           k_cache.shape[1], k_cache.shape[0], window=w, dtype=k_cache.dtype,
+                                           head_dim=k_cache.shape[3])
             for g, w in set(zip(groups, windows))}
 
 

@@ -20,6 +20,7 @@ whether it did. Without a compiler the executor uses the torch reference.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -34,16 +35,19 @@ SHORT_QUERY = 16
 # read; a 0.5B prefill's attention 28 -> ~18 ms a layer on the AVX-512 EPYC,
 # docs/benchmarks.md); decodes walk their one query. 0: never.
 TILE_MIN_QUERY = 2
+# bf16 tiles run their two products on AMX where the CPU has it and the head
+# dim is a multiple of 32 (kvpager_kernels/cpu/attention_amx.h); False keeps
+# AVX512-BF16's pair kernel (tests compare the two).
+AMX_TILES = True
 # Longer chunks use it too while (query rows x attended context) stays within
 # this many pairs for the pool's dtype, by the CPU's class
 # (``cpu_build.cpu_class``); past it, the chunk's gather + SDPA wins. The
 # crossovers measured (docs/kernels.md): on an AVX-512 + AMX Xeon 16-bit SDPA
-# reaches the matrix units. For one bf16 sequence alone SDPA wins from
-# ~190 x 190 (the tiles on AVX512-BF16's pair dot product); in a step of
-# many prompts the kernel's one call over every sequence beats an SDPA call
-# per sequence up to 256 x 256 (the compare-vllm round's prefill, prompts of
-# 16-256 tokens: -5 % in bf16 (0.5B) and -4 % in fp32 (30M) against the old
-# budgets of 90 x 90 and 180 x 180); past 256 x 256 bf16 SDPA is 1.5-3x faster.
+# reaches the matrix units. The fp32 tiles (and bf16 ones on AVX512-BF16's
+# pair dot product, where the AMX tiles below do not run) beat an SDPA call
+# per sequence up to 256 x 256 in a step of many prompts (the compare-vllm
+# round's prefill, prompts of 16-256 tokens: -5 % in bf16 (0.5B) and -4 % in
+# fp32 (30M) against the old budgets of 90 x 90 and 180 x 180).
 # Without AMX, with AVX512-BF16 (bf16 tiles on its pair dot product), the
 # kernel stays ahead in bf16 up to 2,048 x 16,384 and 1,024 x 32,768 (0.4-0.7
 # of SDPA's time on a Zen 5 EPYC) and in fp32 up to 2,048 x 8,192 and
@@ -56,12 +60,36 @@ IN_PLACE_PAIRS = {
 }
 
 
-def in_place_pairs(dtype: torch.dtype | None, cpu: str | None = None) -> int:
+# bf16 chunks whose tiles run on AMX (``amx_tiles``) stay in place up to this
+# many pairs: the matrix unit computes both tile products, as it does SDPA's.
+# For one bf16 prompt alone (0.5B shapes, 2 threads) they took 0.38-0.66 of
+# SDPA's time up to 512 x 512, 0.82 at 724 x 724 and 0.95 at 128 x 2,048;
+# level from about 512 x 2,048, and SDPA wins past that (1.1-1.9x at 64-512 x
+# 4,096-16,384: each tile converts its whole context's V into pairs).
+AMX_TILE_PAIRS = 1 << 18
+
+
+@functools.cache
+def _amx_tiles_usable() -> bool:
+    return cpu_build.available() and bool(torch.ops.kvpager_cpu.amx_tiles_usable())
+
+
+def amx_tiles(dtype: torch.dtype | None, head_dim: int | None) -> bool:
+    """Whether the kernel's bf16 tiles for this pool run on AMX here (built
+    for it, granted by the OS, a head dim that is a multiple of 32)."""
+    return (AMX_TILES and dtype == torch.bfloat16 and head_dim is not None and head_dim % 32 == 0
+            and _amx_tiles_usable())
+
+
+def in_place_pairs(dtype: torch.dtype | None, cpu: str | None = None, head_dim: int | None = None) -> int:
     """The in-place budget for a ``dtype`` pool (0 for None); ``cpu``: a key
-    of ``IN_PLACE_PAIRS`` (None = this machine's ``cpu_build.cpu_class()``)."""
+    of ``IN_PLACE_PAIRS`` (None = this machine's ``cpu_build.cpu_class()``);
+    ``head_dim``: the pool's, for chunks that go to the tiles (None = walked
+    or unknown: ``IN_PLACE_PAIRS`` alone)."""
     if dtype is None:
         return 0
-    return IN_PLACE_PAIRS[cpu or cpu_build.cpu_class()].get(dtype, 0)
+    budget = IN_PLACE_PAIRS[cpu or cpu_build.cpu_class()].get(dtype, 0)
+    return max(budget, AMX_TILE_PAIRS) if amx_tiles(dtype, head_dim) else budget
 
 
 def available() -> bool:
@@ -80,15 +108,17 @@ class CpuAttentionPlan:
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                    block_size: int, num_blocks: int, window: int | None = None,
-                   dtype: torch.dtype | None = None) -> CpuAttentionPlan:
-    """``dtype``: the KV pool's (picks ``in_place_pairs``); None = only queries
-    up to ``SHORT_QUERY`` in place."""
+                   dtype: torch.dtype | None = None, head_dim: int | None = None) -> CpuAttentionPlan:
+    """``dtype``, ``head_dim``: the KV pool's (pick ``in_place_pairs``);
+    dtype None = only queries up to ``SHORT_QUERY`` in place."""
     qsl = query_start_loc.to(torch.int64)
     lens = seq_lens.to(torch.int64)
     q_lens = qsl[1:] - qsl[:-1]
     # The context a chunk's queries attend (a window bounds it).
     attended = lens if window is None else torch.minimum(lens, q_lens + window - 1)
-    in_place = (q_lens <= SHORT_QUERY) | (q_lens * attended <= in_place_pairs(dtype))
+    # Windowed chunks are walked, never tiled.
+    budget = in_place_pairs(dtype, head_dim=head_dim if window is None else None)
+    in_place = (q_lens <= SHORT_QUERY) | (q_lens * attended <= budget)
     plan = CpuAttentionPlan(in_place_seqs=torch.nonzero(in_place).flatten().contiguous(), window=window)
     for s in torch.nonzero(~in_place).flatten().tolist():
         plan.long_chunks.append(reference._plan_prefill(block_tables, s, qsl, lens, block_size, num_blocks,
@@ -120,14 +150,15 @@ def paged_attention(
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     qsl = query_start_loc if query_start_loc.dtype == torch.int32 else query_start_loc.to(torch.int32)
     if plan is None:
-        plan = plan_attention(tables, lens, qsl, k_cache.shape[1], k_cache.shape[0], window, k_cache.dtype)
+        plan = plan_attention(tables, lens, qsl, k_cache.shape[1], k_cache.shape[0], window, k_cache.dtype,
+                              k_cache.shape[3])
     elif plan.window != window:
         raise ValueError(f"attention plan made for window {plan.window}, called with {window}")
     if plan.in_place_seqs.numel():
         # 0 = no window / no soft-capping in the C++ signature.
         torch.ops.kvpager_cpu.paged_attention(out, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
                                               qsl.contiguous(), plan.in_place_seqs, float(scale), int(window or 0),
-                                              float(softcap or 0.0), TILE_MIN_QUERY)
+                                              float(softcap or 0.0), TILE_MIN_QUERY, AMX_TILES)
     for c in plan.long_chunks:  # in the model's dtype: the reference upcasts to fp32
         reference._attend_prefill(q, k_cache, v_cache, c, scale, out, softcap, native=True)
     return out

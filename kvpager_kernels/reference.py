@@ -180,12 +180,12 @@ def window_start(first_query_pos: int, window: int | None) -> int:
 
 def plan_attention(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
-    num_blocks: int, window: int | None = None, dtype: torch.dtype | None = None,
+    num_blocks: int, window: int | None = None, dtype: torch.dtype | None = None, head_dim: int | None = None,
 ) -> AttentionPlan:
     """The layer-independent part of ``paged_attention`` (same arguments):
-    one plan per distinct ``window`` of the model's layers. ``dtype`` (the KV
-    pool's) is part of the backends' planning interface; this plan's split
-    does not depend on it."""
+    one plan per distinct ``window`` of the model's layers. ``dtype`` and
+    ``head_dim`` (the KV pool's) are part of the backends' planning
+    interface; this plan's split depends on neither."""
     plan = AttentionPlan(window=window)
     device = block_tables.device
     # One host sync for the whole batch: the sequence lengths decide shapes.

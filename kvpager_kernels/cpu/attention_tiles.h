@@ -95,6 +95,7 @@ struct TileScratch {
   std::vector<float> qt, st;       // QT [D][rp], ST [L][rp]
   std::vector<float> kf, vf, of;   // bf16 only: K of a block [BS][D], V [L][D], out rows [RR][D]
   std::vector<uint32_t> qp, pp, vp;  // bf16 pairs (AVX512-BF16): Q [D/2][rp], P [L/2][rp], V [L/2][D]
+  std::vector<uint16_t> kt, pt;      // bf16 on AMX (attention_amx.h): K rows [16][D], P [rp][L]
   std::vector<int32_t> pos;        // [rp] each row's position (padding: the last row's)
   std::vector<const void*> rows;   // [R] each row's query vector (a const T*)
 };
@@ -381,33 +382,38 @@ inline void pair_values_rest(int rest, const uint32_t* vp, const uint32_t* pp, i
   }
 }
 
-// One bf16 tile (attend_tile's arithmetic, rounding and masking) in pairs.
+// V of a tile's context as pairs of keys, vp [LP][D]: pair m holds keys 2m
+// and 2m + 1 (zeros for keys past L; LP may pad past the context).
 template <int C>
-void attend_tile_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
+inline void tile_value_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc, int64_t L, int64_t LP) {
   using T = c10::BFloat16;
-  constexpr int64_t D = 16 * C, P = D / 2;
-  const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
-  const int64_t BS = jb.block_size, LP = (L + 1) / 2;
-  if (static_cast<int64_t>(sc.qp.size()) < P * rp) sc.qp.resize(P * rp);
-  if (static_cast<int64_t>(sc.st.size()) < L * rp) sc.st.resize(L * rp);
-  if (static_cast<int64_t>(sc.pp.size()) < LP * rp) sc.pp.resize(LP * rp);
+  constexpr int64_t D = 16 * C;
   if (static_cast<int64_t>(sc.vp.size()) < LP * D) sc.vp.resize(LP * D);
-  auto key_row = [&](const T* base, int64_t s0, int64_t s1, int64_t s2, int64_t key) {
-    return base + static_cast<int64_t>(jb.table[key / BS]) * s0 + (key % BS) * s1 + jb.kvh * s2;
+  const int64_t BS = jb.block_size;
+  auto v_row = [&](int64_t key) -> const T* {
+    if (key >= L) return nullptr;
+    return jb.v + static_cast<int64_t>(jb.table[key / BS]) * jb.v_s0 + (key % BS) * jb.v_s1 + jb.kvh * jb.v_s2;
   };
-  // V in pairs of keys (a zero key past the end of an odd context).
   uint32_t* vp = sc.vp.data();
   for (int64_t m = 0; m < LP; ++m) {
-    const T* v0 = key_row(jb.v, jb.v_s0, jb.v_s1, jb.v_s2, 2 * m);
-    const T* v1 = 2 * m + 1 < L ? key_row(jb.v, jb.v_s0, jb.v_s1, jb.v_s2, 2 * m + 1) : nullptr;
+    const T* v0 = v_row(2 * m);
+    const T* v1 = v_row(2 * m + 1);
     for (int c = 0; c < C; ++c) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c));
+      const __m256i a = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c)) : _mm256_setzero_si256();
       const __m256i b = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * c)) : _mm256_setzero_si256();
       _mm512_storeu_si512(vp + m * D + 16 * c, pair16(a, b));
     }
   }
+}
+
+// The tile's rows (tile_rows) and their queries as pairs of dims, qp
+// [D/2][rp]: 16 rows x 16 pairs a register transpose; padding rows zero.
+template <int C>
+inline void tile_query_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc, int64_t R, int64_t rp, int64_t L) {
+  using T = c10::BFloat16;
+  constexpr int64_t P = 8 * C;
+  if (static_cast<int64_t>(sc.qp.size()) < P * rp) sc.qp.resize(P * rp);
   tile_rows(jb, sc, R, rp, L);
-  // Q as pairs of dims, [P][rp]: 16 rows x 16 pairs a register transpose.
   uint32_t* qp = sc.qp.data();
   for (int64_t j = 0; j < rp / 16; ++j)
     for (int64_t p0 = 0; p0 < P; p0 += 16) {
@@ -423,6 +429,21 @@ void attend_tile_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
       transpose16(blk);
       for (int i = 0; i < np; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(qp + (p0 + i) * rp + 16 * j), blk[i]);
     }
+}
+
+// One bf16 tile (attend_tile's arithmetic, rounding and masking) in pairs.
+template <int C>
+void attend_tile_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
+  using T = c10::BFloat16;
+  constexpr int64_t D = 16 * C, P = D / 2;
+  const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
+  const int64_t BS = jb.block_size, LP = (L + 1) / 2;
+  if (static_cast<int64_t>(sc.st.size()) < L * rp) sc.st.resize(L * rp);
+  if (static_cast<int64_t>(sc.pp.size()) < LP * rp) sc.pp.resize(LP * rp);
+  tile_value_pairs<C>(jb, sc, L, LP);
+  tile_query_pairs<C>(jb, sc, R, rp, L);
+  const uint32_t* vp = sc.vp.data();
+  const uint32_t* qp = sc.qp.data();
 
   // Scores, block by block of the table, six keys a step, K read in place.
   float* st = sc.st.data();

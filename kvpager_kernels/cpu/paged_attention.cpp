@@ -24,6 +24,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "attention_amx.h"
 #include "attention_tiles.h"
 #include "vec.h"
 
@@ -701,10 +702,28 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
 #if defined(__AVX512F__)
 // The tiles of fp32 and bf16 prefill chunks (attention_tiles.h), handed out
 // one at a time, last first (a sequence's later tokens attend more keys).
+// amx: bf16 tiles of a head dim that is a multiple of 32 on the matrix unit
+// (attention_amx.h), where it is built and the kernel grants it.
 template <int C, typename T>
-void run_tiles(const std::vector<kvpager::TileJob<T>>& jobs) {
+void run_tiles(const std::vector<kvpager::TileJob<T>>& jobs, bool amx) {
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(jobs.size());
+#if defined(KVPAGER_AMX_TILES)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && C % 2 == 0) {
+    if (amx && kvpager::amx_usable()) {
+      at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+        kvpager::TileScratch scratch;
+        kvpager::amx_begin();
+        for (int64_t taken = next.fetch_add(1, std::memory_order_relaxed); taken < n;
+             taken = next.fetch_add(1, std::memory_order_relaxed))
+          kvpager::attend_tile_amx<C>(jobs[n - 1 - taken], scratch);
+        kvpager::amx_end();
+      });
+      return;
+    }
+  }
+#endif
+  (void)amx;
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
     kvpager::TileScratch scratch;
     for (int64_t taken = next.fetch_add(1, std::memory_order_relaxed); taken < n;
@@ -724,14 +743,14 @@ bool tiles_take(const Shape& sh, at::ScalarType dtype, int64_t q_len, int64_t ti
 }
 
 template <typename T>
-void dispatch_tiles(int64_t head_dim, const std::vector<kvpager::TileJob<T>>& jobs) {
+void dispatch_tiles(int64_t head_dim, const std::vector<kvpager::TileJob<T>>& jobs, bool amx) {
   switch (head_dim / 16) {
-    case 2: return run_tiles<2, T>(jobs);
-    case 4: return run_tiles<4, T>(jobs);
-    case 5: return run_tiles<5, T>(jobs);
-    case 6: return run_tiles<6, T>(jobs);
-    case 8: return run_tiles<8, T>(jobs);
-    case 16: return run_tiles<16, T>(jobs);
+    case 2: return run_tiles<2, T>(jobs, amx);
+    case 4: return run_tiles<4, T>(jobs, amx);
+    case 5: return run_tiles<5, T>(jobs, amx);
+    case 6: return run_tiles<6, T>(jobs, amx);
+    case 8: return run_tiles<8, T>(jobs, amx);
+    case 16: return run_tiles<16, T>(jobs, amx);
     default: TORCH_CHECK(false, "paged_attention: no tile kernel for head_dim ", head_dim);
   }
 }
@@ -761,10 +780,12 @@ void dispatch_dim(const Shape& sh, const at::Tensor& out, const at::Tensor& q, c
 // window may be padding). softcap > 0: Gemma 2's logit soft-capping.
 // tile_min_query: fp32 and bf16 chunks of at least this many queries are
 // attended in tiles (attention_tiles.h, AVX-512 builds); 0 walks every query alone.
+// amx_tiles: bf16 tiles on AMX where there is one (attention_amx.h); false: the
+// AVX-512 tiles everywhere.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& seqs, double scale, int64_t window,
-                     double softcap, int64_t tile_min_query) {
+                     double softcap, int64_t tile_min_query, bool amx_tiles) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0 = off)");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of one shape");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [NB, BS, KVH, D]");
@@ -842,8 +863,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     for (int64_t j = 0; j < q_len; ++j) items.push_back((s << 32) | j);
   }
 #if defined(__AVX512F__)
-  if (!jobs.empty()) dispatch_tiles(sh.head_dim, jobs);
-  if (!jobs16.empty()) dispatch_tiles(sh.head_dim, jobs16);
+  if (!jobs.empty()) dispatch_tiles(sh.head_dim, jobs, false);
+  if (!jobs16.empty()) dispatch_tiles(sh.head_dim, jobs16, amx_tiles);
 #endif
   if (items.empty()) return;
   switch (q.scalar_type()) {
@@ -858,13 +879,24 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   }
 }
 
+// Whether bf16 prompt tiles run on AMX here: built for it (-march=native on
+// an AMX CPU) and granted the tile state by the kernel.
+bool amx_tiles_usable() {
+#if defined(KVPAGER_AMX_TILES)
+  return kvpager::amx_usable();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale, int window, float softcap, "
-      "int tile_min_query) -> ()");
+      "int tile_min_query, bool amx_tiles) -> ()");
+  m.def("amx_tiles_usable() -> bool", &amx_tiles_usable);
 }
 
 TORCH_LIBRARY_IMPL(kvpager_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -103,6 +103,26 @@ def test_plan_splits_chunks_by_work_and_dtype(monkeypatch):
     assert split(torch.float32, window=16) == ([0, 1], [45, 295])
     assert split(torch.bfloat16, window=8) == ([0, 1, 2], [295])  # 250 x 257 in budget now
 
+    # Where the bf16 tiles run on AMX (a head dim in 32s, no window), bf16
+    # chunks stay in place up to AMX_TILE_PAIRS (512 x 512); the others keep
+    # the budget above.
+    monkeypatch.setattr(cpu_attention, "_amx_tiles_usable", lambda: True)
+
+    def split_d(dtype, head_dim, window=None):
+        plan = cpu_attention.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 16,
+                                            batch.k_cache.shape[0], window, dtype, head_dim)
+        return plan.in_place_seqs.tolist(), [c.start for c in plan.long_chunks]
+
+    assert split_d(torch.bfloat16, 64) == ([0, 1, 2, 3], [])
+    assert split_d(torch.bfloat16, 80) == split_d(torch.float32, 64) == split(torch.float32)
+    assert split_d(torch.bfloat16, 64, window=16) == split(torch.float32, window=16)
+    monkeypatch.setattr(cpu_attention, "AMX_TILES", False)
+    assert split_d(torch.bfloat16, 64) == split(torch.float32)
+    monkeypatch.setattr(cpu_attention, "AMX_TILES", True)
+    monkeypatch.setattr(cpu_attention, "_amx_tiles_usable", lambda: False)
+    assert split_d(torch.bfloat16, 64) == split(torch.float32)
+    assert 512 * 512 == cpu_attention.AMX_TILE_PAIRS
+
     # Without AMX, 16-bit SDPA has no matrix units and the kernel keeps far larger chunks.
     for cpu in ("avx512_bf16", "other"):
         monkeypatch.setattr(cpu_build, "cpu_class", lambda cpu=cpu: cpu)

@@ -147,3 +147,65 @@ def test_bf16_tiles_in_pairs_of_keys_and_dims(monkeypatch, head_dim, group, bloc
                 assert same >= 0.99, f"{same:.3f} of the elements as transformers' eager bf16 attention"
     finally:
         torch.set_num_threads(before)
+
+
+def _amx_or_skip():
+    if not cpu_build.has_amx():
+        pytest.skip("no AMX on this CPU: bf16 tiles run on the pair kernel")
+    if not cpu_attention.amx_tiles(torch.bfloat16, 64):
+        pytest.fail("an AMX CPU whose build or kernel does not give the tiles AMX (kvpager_cpu.amx_tiles_usable)")
+
+
+def test_an_amx_cpu_runs_bf16_tiles_of_head_dims_in_32s_on_amx(monkeypatch):
+    _amx_or_skip()
+    assert torch.ops.kvpager_cpu.amx_tiles_usable()
+    assert [d for d in (32, 64, 80, 96, 128, 256) if cpu_attention.amx_tiles(torch.bfloat16, d)] == [32, 64, 96, 128, 256]
+    assert not cpu_attention.amx_tiles(torch.float32, 64) and not cpu_attention.amx_tiles(torch.float16, 64)
+    monkeypatch.setattr(cpu_attention, "AMX_TILES", False)
+    assert not cpu_attention.amx_tiles(torch.bfloat16, 64)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 7])
+@pytest.mark.parametrize("block_size", [5, 16, 32])
+def test_amx_tiles_agree_with_the_pair_kernel_and_transformers(monkeypatch, head_dim, group, block_size):
+    """AMX's products have the pair kernel's arithmetic (bf16 products, fp32
+    sums) in another summation order: the same bits but for rare ties, across
+    odd contexts (a partial chunk of 16 keys, keys gathered across blocks of
+    5), a cached prefix, two-token chunks and every thread count."""
+    _amx_or_skip()
+    batch = make_paged_batch([203, 77, 2, 300], [203, 31, 2, 45], num_heads=2 * group, num_kv_heads=2,
+                             head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16)
+    plan = cpu_attention.CpuAttentionPlan(in_place_seqs=torch.arange(4))
+    eager = eager_attention(batch)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = {}
+            for amx in (True, False):
+                monkeypatch.setattr(cpu_attention, "AMX_TILES", amx)
+                got[amx] = cpu_attention.paged_attention(*batch.args(), plan=plan)
+            torch.testing.assert_close(got[True].float(), got[False].float(), atol=2 ** -6, rtol=2 ** -6)
+            assert (got[True] == got[False]).float().mean().item() >= 0.99
+            same = (got[True] == eager).float().mean().item()
+            assert same >= 0.99, f"{same:.3f} of the elements as transformers' eager bf16 attention"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_amx_tiles_leave_onednn_matmuls_on_the_same_threads_intact():
+    """The tiles configure AMX per call and release it after; oneDNN's bf16
+    matmuls, on AMX on the same threads, give the same bits before and after."""
+    _amx_or_skip()
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(256, 896, generator=gen).to(torch.bfloat16)
+    w = torch.randn(896, 640, generator=gen).to(torch.bfloat16)
+    want = a @ w
+    torch.testing.assert_close(want.float(), a.float() @ w.float(), atol=0.25, rtol=2 ** -7)
+    batch = make_paged_batch([150, 90], [150, 90], num_heads=14, num_kv_heads=2, head_dim=64, block_size=16,
+                             dtype=torch.bfloat16)
+    first = cpu_attention.paged_attention(*batch.args())
+    assert torch.equal(a @ w, want)
+    assert torch.equal(cpu_attention.paged_attention(*batch.args()), first)
+    assert torch.equal(a @ w, want)
