@@ -107,7 +107,7 @@ class Linear:
         elif self.mode == "packed" and n % 64 == 0 and packed_gemm.panels_pay(self.dtype):
             panels = packed_gemm.to_panels(w)  # oneDNN's AMX layout is not the kernel's: a copy in its own
             if packed_gemm.usable(self.weight, n, k, bias, panels=panels):
-                self.small_rows, self._small = packed_gemm.AMX_BF16_MAX_ROWS, panels
+                self.small_rows, self._small = packed_gemm.panel_rows(), panels
         if self.small_rows:
             self._bias32 = None if bias is None else bias.float()
 

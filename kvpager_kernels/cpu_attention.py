@@ -70,15 +70,15 @@ AMX_TILE_PAIRS = 1 << 18
 
 
 @functools.cache
-def _amx_tiles_usable() -> bool:
-    return cpu_build.available() and bool(torch.ops.kvpager_cpu.amx_tiles_usable())
+def _amx_usable() -> bool:
+    return cpu_build.available() and bool(torch.ops.kvpager_cpu.amx_usable())
 
 
 def amx_tiles(dtype: torch.dtype | None, head_dim: int | None) -> bool:
     """Whether the kernel's bf16 tiles for this pool run on AMX here (built
     for it, granted by the OS, a head dim that is a multiple of 32)."""
     return (AMX_TILES and dtype == torch.bfloat16 and head_dim is not None and head_dim % 32 == 0
-            and _amx_tiles_usable())
+            and _amx_usable())
 
 
 def in_place_pairs(dtype: torch.dtype | None, cpu: str | None = None, head_dim: int | None = None) -> int:

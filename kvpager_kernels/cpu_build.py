@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = ("paged_attention.cpp", "fused.cpp", "packed_gemm.cpp", "argmax.cpp", "gumbel.cpp", "sort_rows.cpp", "threads.cpp")
-OPS = ("paged_attention", "amx_tiles_usable", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "packed_gemm",
+OPS = ("paged_attention", "amx_usable", "rms_norm", "add_rms_norm", "rope_store_kv", "silu_mul", "packed_gemm",
        "packed_gemm_readable", "argmax_rows", "gumbel_argmax", "sort_rows",
        "bind_team")
 # -ffp-contract=off: the fused elementwise kernels must round like torch's

@@ -14,8 +14,10 @@ picked another layout falls back to oneDNN, never to wrong numbers. On
 AMX CPUs oneDNN packs bf16 in another layout (for its AMX tiles), which
 take about as long for one row as for sixteen: there a bf16 weight also
 keeps a copy in the kernel's layout (``to_panels``: twice its memory), which
-the kernel serves for steps of at most ``AMX_BF16_MAX_ROWS`` rows (a lone
-stream's decodes, a batch's tail). The reference is
+the kernel serves for every decode step (``panel_rows``): from 4 rows on
+AMX itself (``kvpager_kernels/cpu/packed_gemm.cpp`` amx_gemm), below on
+vdpbf16ps; without the AMX form (a kernel that refuses AMX to the process)
+only steps of up to ``AMX_BF16_MAX_ROWS`` rows. The reference is
 ``reference`` (``F.linear`` on the plain weight).
 """
 
@@ -39,9 +41,26 @@ MAX_ROWS = {torch.float32: 2048, torch.bfloat16: 48}
 # bf16 on an AMX CPU, the kernel on a ``to_panels`` copy against oneDNN's AMX
 # kernels on the 30M and 0.5B Llamas' linears (2-core AMX Xeon, 2 threads,
 # docs/benchmarks.md, thirty-second sitting): 1 row 0.38-0.87x, 2 rows
-# 0.40-0.93x, 3 rows 0.52-1.02x, 4 rows 0.56-1.22x (8 rows: 1.0-2.4x).
+# 0.40-0.93x, 3 rows 0.52-1.02x, 4 rows 0.56-1.22x (8 rows: 1.0-2.4x) on its
+# vdpbf16ps tiles. Where the kernel's AMX form runs (from 4 rows, ``amx_rows``)
+# it serves every decode size: the 0.5B linears with 24 layers' weights
+# streamed from memory took 0.83x oneDNN's time at 8 rows, 0.73x at 16,
+# 0.67x at 32 and 0.85x at 48 (thirty-fifth sitting).
 AMX_BF16_MAX_ROWS = 3
 PROBE_ROWS = 3
+# Rows of the second probe of a ``to_panels`` copy: the kernel's AMX form,
+# a whole group of 16 rows and a ragged one.
+AMX_PROBE_ROWS = 19
+
+
+def amx_rows() -> bool:
+    """Whether the kernel runs bf16 steps of 4 rows or more on AMX here."""
+    return cpu_build.available() and bool(torch.ops.kvpager_cpu.amx_usable())
+
+
+def panel_rows() -> int:
+    """Rows up to which the kernel serves a bf16 ``to_panels`` copy."""
+    return MAX_ROWS[torch.bfloat16] if amx_rows() else AMX_BF16_MAX_ROWS
 # Probe agreement with oneDNN, relative to the largest output: only the
 # order of the sums differs (bf16: plus one rounding of the output).
 PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -61,11 +80,14 @@ def usable(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = Non
     if not torch.ops.kvpager_cpu.packed_gemm_readable(ours, n, k):
         return False
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(PROBE_ROWS, k, generator=gen).to(dtype)
-    want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "").float()
-    got = gemm(x, ours, n, None if bias is None else bias.float()).float()
-    scale = want.abs().max().item() or 1.0
-    return bool(torch.isfinite(got).all()) and (got - want).abs().max().item() <= PROBE_RTOL[dtype] * scale
+    for rows in (PROBE_ROWS, AMX_PROBE_ROWS) if panels is not None else (PROBE_ROWS,):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "").float()
+        got = gemm(x, ours, n, None if bias is None else bias.float()).float()
+        scale = want.abs().max().item() or 1.0
+        if not (bool(torch.isfinite(got).all()) and (got - want).abs().max().item() <= PROBE_RTOL[dtype] * scale):
+            return False
+    return True
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -25,11 +25,11 @@
 // multiple of 32 only (others keep the pair kernel).
 #pragma once
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include "amx.h"
+
+#if defined(KVPAGER_AMX)
 #define KVPAGER_AMX_TILES 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -39,33 +39,7 @@
 
 namespace kvpager {
 
-// Linux (5.16+) hands a process AMX's 8 KiB of tile state only once it asks:
-// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). Asked once; false
-// (the pair kernel then) where the kernel refuses.
-inline bool amx_usable() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
-
-// The tile configuration (palette 1): eight tiles of 16 rows x 64 bytes.
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3 hold sums, 4 and 5 operands. Configured per thread for one
-// call's tiles and released after (oneDNN configures its own before each use).
-inline void amx_begin() {
-  AmxConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-}
-inline void amx_end() { _tile_release(); }
-
+// Tiles 0-3 hold sums, 4 and 5 operands (amx.h's configuration).
 // The first N sum tiles zeroed, stored (16 rows, `stride` bytes apart), or
 // += A (tile 4) . B (tile 5) into sum tile I.
 template <int N>

@@ -39,6 +39,8 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
+
 namespace at::native {
 // Exported by libtorch_cpu (torch's AOT paths use them): the buffer and size
 // of an opaque oneDNN tensor.
@@ -170,6 +172,75 @@ inline void tile_bf16(const uint16_t* __restrict x, int64_t ldx, int64_t kl, con
   for (int r = 0; r < MB; ++r)
     for (int j = 0; j < 4; ++j)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+}
+#endif
+
+#if defined(KVPAGER_AMX)
+// bf16 steps of kAmxMinRows rows or more on AMX: the same panels, read in the
+// same order, with TDPBF16PS doing a panel's products (16 rows x 64 columns
+// x 32 k a step: four 16 x 16 sum tiles, the input in tile 4, the panel's
+// 16 pair-rows x 16 columns in tile 5). On AMX the vdpbf16ps tiles above
+// are compute-bound from a few rows (8 rows: 1.0-2.4x oneDNN's time) while
+// oneDNN's AMX kernels leave the memory system idle part of the time; this
+// streams the weights at closer to the machine's read bandwidth (0.5B
+// linears, 32 rows, 24 layers' weights from memory, 2 threads: 0.67x
+// oneDNN's time, docs/benchmarks.md). Sums in fp32, the output rounded once
+// (to nearest even), as oneDNN's.
+constexpr int64_t kAmxMinRows = 4;
+
+// Rows [16g, 16g + 16) of x (K a multiple of 32) times one panel into
+// out [16][64] fp32. The first row group of a panel asks for the rows 16 KiB
+// ahead of those it reads (the panel's tail, then the next panel's head).
+inline void amx_panel_rows(const uint16_t* x, int64_t K, const uint16_t* panel, float* out, bool ask_ahead) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kk = 0; kk < K / 32; ++kk) {
+    const uint16_t* b = panel + kk * 16 * 2 * kPanel;  // 16 pair-rows of 128 elements
+    if (ask_ahead) {
+      const char* a = reinterpret_cast<const char*>(b) + (16 << 10);
+      for (int l = 0; l < 16 * 2 * kPanel * 2; l += 64) _mm_prefetch(a + l, _MM_HINT_T0);
+    }
+    _tile_loadd(4, x + kk * 32, K * 2);
+    _tile_loadd(5, b, 4 * kPanel);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, b + 32, 4 * kPanel);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, b + 64, 4 * kPanel);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, b + 96, 4 * kPanel);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, out, 4 * kPanel);
+  _tile_stored(1, out + 16, 4 * kPanel);
+  _tile_stored(2, out + 32, 4 * kPanel);
+  _tile_stored(3, out + 48, 4 * kPanel);
+}
+
+// y [M, N] = x [Mp, K] (rows past M zero) . w (panels [N/64][K/2][64][2]) + bias.
+void amx_gemm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, const float* bias,
+              uint16_t* y) {
+  const int64_t panels = N / kPanel, groups = (M + 15) / 16;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    kvpager::amx_begin();
+    alignas(64) float out[16 * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* panel = w + p * K * kPanel;
+      for (int64_t g = 0; g < groups; ++g) {
+        amx_panel_rows(x + 16 * g * K, K, panel, out, g == 0);
+        const int64_t rows = std::min<int64_t>(16, M - 16 * g);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int j = 0; j < 4; ++j) {
+            __m512 v = _mm512_load_ps(out + r * kPanel + 16 * j);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + p * kPanel + 16 * j));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (16 * g + r) * N + p * kPanel + 16 * j),
+                                (__m256i)_mm512_cvtneps_pbh(v));
+          }
+      }
+    }
+    kvpager::amx_end();
+  });
 }
 #endif
 
@@ -310,6 +381,20 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
     const uint16_t* wp = static_cast<const uint16_t*>(weight_data(w));
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if defined(KVPAGER_AMX)
+    // A dense weight here is a to_panels copy (bf16 on an AMX CPU). Rows in
+    // 16s: a ragged last group is read from a zero-padded copy of x.
+    if (!w.is_mkldnn() && M >= kAmxMinRows && K % 32 == 0 && kvpager::amx_usable()) {
+      at::Tensor padded;
+      if (M % 16 != 0) {
+        padded = at::zeros({(M + 15) / 16 * 16, K}, x.options());
+        padded.narrow(0, 0, M).copy_(x);
+        xp = reinterpret_cast<const uint16_t*>(padded.data_ptr<at::BFloat16>());
+      }
+      amx_gemm(xp, M, K, wp, n, bp, yp);
+      return y;
+    }
+#endif
     at::Tensor part;  // fp32 sums between k-blocks (none with a single block)
     if (k_block(K, 2) < K) part = at::empty({M, n}, x.options().dtype(at::kFloat));
     for_each_panel<uint16_t>(M, K, n, xp, wp, bp, yp, part.defined() ? part.data_ptr<float>() : nullptr,

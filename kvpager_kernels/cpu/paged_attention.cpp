@@ -881,7 +881,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 // Whether bf16 prompt tiles run on AMX here: built for it (-march=native on
 // an AMX CPU) and granted the tile state by the kernel.
-bool amx_tiles_usable() {
+bool amx_usable() {
 #if defined(KVPAGER_AMX_TILES)
   return kvpager::amx_usable();
 #else
@@ -896,7 +896,7 @@ TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) {
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale, int window, float softcap, "
       "int tile_min_query, bool amx_tiles) -> ()");
-  m.def("amx_tiles_usable() -> bool", &amx_tiles_usable);
+  m.def("amx_usable() -> bool", &amx_usable);
 }
 
 TORCH_LIBRARY_IMPL(kvpager_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

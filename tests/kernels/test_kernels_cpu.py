@@ -106,7 +106,7 @@ def test_plan_splits_chunks_by_work_and_dtype(monkeypatch):
     # Where the bf16 tiles run on AMX (a head dim in 32s, no window), bf16
     # chunks stay in place up to AMX_TILE_PAIRS (512 x 512); the others keep
     # the budget above.
-    monkeypatch.setattr(cpu_attention, "_amx_tiles_usable", lambda: True)
+    monkeypatch.setattr(cpu_attention, "_amx_usable", lambda: True)
 
     def split_d(dtype, head_dim, window=None):
         plan = cpu_attention.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 16,
@@ -119,7 +119,7 @@ def test_plan_splits_chunks_by_work_and_dtype(monkeypatch):
     monkeypatch.setattr(cpu_attention, "AMX_TILES", False)
     assert split_d(torch.bfloat16, 64) == split(torch.float32)
     monkeypatch.setattr(cpu_attention, "AMX_TILES", True)
-    monkeypatch.setattr(cpu_attention, "_amx_tiles_usable", lambda: False)
+    monkeypatch.setattr(cpu_attention, "_amx_usable", lambda: False)
     assert split_d(torch.bfloat16, 64) == split(torch.float32)
     assert 512 * 512 == cpu_attention.AMX_TILE_PAIRS
 

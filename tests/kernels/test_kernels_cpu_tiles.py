@@ -153,12 +153,12 @@ def _amx_or_skip():
     if not cpu_build.has_amx():
         pytest.skip("no AMX on this CPU: bf16 tiles run on the pair kernel")
     if not cpu_attention.amx_tiles(torch.bfloat16, 64):
-        pytest.fail("an AMX CPU whose build or kernel does not give the tiles AMX (kvpager_cpu.amx_tiles_usable)")
+        pytest.fail("an AMX CPU whose build or kernel does not give the tiles AMX (kvpager_cpu.amx_usable)")
 
 
 def test_an_amx_cpu_runs_bf16_tiles_of_head_dims_in_32s_on_amx(monkeypatch):
     _amx_or_skip()
-    assert torch.ops.kvpager_cpu.amx_tiles_usable()
+    assert torch.ops.kvpager_cpu.amx_usable()
     assert [d for d in (32, 64, 80, 96, 128, 256) if cpu_attention.amx_tiles(torch.bfloat16, d)] == [32, 64, 96, 128, 256]
     assert not cpu_attention.amx_tiles(torch.float32, 64) and not cpu_attention.amx_tiles(torch.float16, 64)
     monkeypatch.setattr(cpu_attention, "AMX_TILES", False)

@@ -163,7 +163,10 @@ def test_a_dense_copy_in_the_kernels_layout_reads_as_the_packed_weight(dtype, ro
     assert packed_gemm.usable(torch.ops.mkldnn._reorder_linear_weight(w), n, k, panels=panels)
 
 
-def test_bf16_on_an_amx_cpu_takes_the_kernel_on_a_copy_for_up_to_three_rows():
+def test_bf16_on_an_amx_cpu_takes_the_kernel_on_a_copy_for_every_decode_size():
+    """On AMX a bf16 weight keeps a ``to_panels`` copy that the kernel serves
+    for up to ``panel_rows()`` rows (every decode size where the kernel's AMX
+    form runs, else 3); larger steps keep oneDNN's packed weight."""
     if not (cpu_build.available() and cpu_build.has_amx() and packable(torch.bfloat16)):
         pytest.skip("an AMX CPU's bf16 path")
     g = torch.Generator().manual_seed(3)
@@ -172,11 +175,42 @@ def test_bf16_on_an_amx_cpu_takes_the_kernel_on_a_copy_for_up_to_three_rows():
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
     assert not packed_gemm.usable(packed, 128, 64, b)  # oneDNN's AMX layout: never read as the kernel's
     lin = Linear(w, b)
-    assert lin.small_rows == packed_gemm.AMX_BF16_MAX_ROWS and lin._small is not lin.weight
+    assert lin.small_rows == packed_gemm.panel_rows() and lin._small is not lin.weight
+    assert packed_gemm.panel_rows() == (packed_gemm.MAX_ROWS[torch.bfloat16] if packed_gemm.amx_rows()
+                                        else packed_gemm.AMX_BF16_MAX_ROWS)
     onednn = lambda x: torch.ops.mkldnn._linear_pointwise(x, lin.weight, lin.bias, "none", [], "")  # noqa: E731
-    small = torch.randn(3, 64, generator=g).to(torch.bfloat16)
-    large = torch.randn(4, 64, generator=g).to(torch.bfloat16)
-    assert torch.equal(lin(small), packed_gemm.gemm(small, packed_gemm.to_panels(w), 128, b.float()))
+    panels = packed_gemm.to_panels(w)
+    for rows in sorted({3, 4, 19, lin.small_rows}):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        if rows <= lin.small_rows:
+            assert torch.equal(lin(x), packed_gemm.gemm(x, panels, 128, b.float()))
+        else:
+            assert torch.equal(lin(x), onednn(x))
+        torch.testing.assert_close(lin(x).float(), F.linear(x.float(), w.float(), b.float()), **TOL[torch.bfloat16])
+    large = torch.randn(lin.small_rows + 1, 64, generator=g).to(torch.bfloat16)
     assert torch.equal(lin(large), onednn(large))
-    torch.testing.assert_close(lin(small).float(), F.linear(small.float(), w.float(), b.float()),
-                               **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("rows", [4, 5, 15, 16, 17, 32, 33, 48])
+@pytest.mark.parametrize("shape", [(128, 64), (192, 96), (64, 1376), (64, 4864), (128, 80)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_amx_form_matches_f_linear_and_onednn(rows, shape, bias):
+    """The kernel's AMX form (bf16 to_panels copies, 4 rows or more, K a
+    multiple of 32; K = 80 keeps the vdpbf16ps form): F.linear's product to
+    bf16 tolerance, and oneDNN's own AMX product to about one rounding of the
+    output (only the order of the fp32 sums differs); ragged row groups."""
+    if not (cpu_build.available() and packed_gemm.amx_rows() and packable(torch.bfloat16)):
+        pytest.skip("the kernel's AMX form runs on AMX CPUs only")
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    got = packed_gemm.gemm(x, packed_gemm.to_panels(w), n, b)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    want = packed_gemm.reference(x.float(), w.float(), b)
+    torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+    onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w),
+                                                None if b is None else b.to(torch.bfloat16), "none", [], "")
+    if b is None:  # (with a bias oneDNN adds it in bf16, the kernel in fp32)
+        torch.testing.assert_close(got.float(), onednn.float(), atol=2 ** -7, rtol=2 ** -7)
