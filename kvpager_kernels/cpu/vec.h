@@ -106,6 +106,27 @@ inline __m512 bf16x16_round(__m512 f) {  // f rounded to bf16, as fp32
 inline void bf16x16_store(uint16_t* p, __m512 f) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16x16_round_bits(f)));
 }
+
+// The same rounding in one instruction where the CPU has AVX512-BF16
+// (vcvtneps2bf16: to nearest even, NaN kept NaN), which flushes subnormal
+// results to zero where c10 keeps them; for values that only bf16 matrix
+// products read next (vdpbf16ps and AMX read subnormal bf16 inputs as zero).
+// Without AVX512-BF16, bf16x16_round / bf16x16_store.
+inline __m512 bf16x16_round_fast(__m512 f) {
+#if defined(__AVX512BF16__)
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#else
+  return bf16x16_round(f);
+#endif
+}
+inline void bf16x16_store_fast(uint16_t* p, __m512 f) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(f)));
+#else
+  bf16x16_store(p, f);
+#endif
+}
 #endif
 
 }  // namespace kvpager
