@@ -64,18 +64,11 @@ inline int64_t tile_tokens(int64_t group, int64_t context) {
   return std::clamp<int64_t>(rows / std::max<int64_t>(group, 1), 1, kTileMaxTokens);
 }
 
-// Sixteen fp32 rounded to bf16, as fp32. With AVX512-BF16 one conversion
-// instruction (it flushes subnormal results to zero, where c10 keeps them:
-// a score or probability under 1e-38 weighs nothing in a sum of values);
-// else vec.h's integer form.
-inline __m512 round_bf16x16(__m512 x) {
-#if defined(__AVX512BF16__)
-  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-#else
-  return bf16x16_round(x);
-#endif
-}
+// Sixteen fp32 rounded to bf16, as fp32: vec.h's one-instruction form where
+// the CPU has AVX512-BF16 (it flushes subnormal results to zero, where c10
+// keeps them: a score or probability under 1e-38 weighs nothing in a sum of
+// values), else its integer form.
+inline __m512 round_bf16x16(__m512 x) { return bf16x16_round_fast(x); }
 
 // Sixteen elements as fp32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
