@@ -247,18 +247,20 @@ struct ValueRows {
   }
 };
 
-// o[r] = sum over keys [0, n_keys) of st[key][r0 + r] * V[key] for RR rows.
+// o[r] (+)= sum over keys [k0, k1) of st[key][r0 + r] * V[key] for RR rows:
+// from zero when k0 is 0, else onto the sums o[r] holds (fp32, stored and
+// read back unrounded: the same sums in the same key order as one walk).
 template <int C, int RR, typename T>
 inline void tile_values(const TileJob<T>& jb, const ValueRows<T>& vrows, const float* __restrict st, int64_t rp,
-                        int64_t r0, int64_t n_keys, float* const* orow) {
+                        int64_t r0, int64_t k0, int64_t k1, float* const* orow) {
   __m512 acc[RR][C];
   for (int r = 0; r < RR; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[r][c] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(orow[r] + 16 * c);
   const int64_t BS = jb.block_size, vs1 = vrows.row_stride(jb);
-  for (int64_t b = 0; b * BS < n_keys; ++b) {
+  for (int64_t b = k0 / BS; b * BS < k1; ++b) {
     const float* vb = vrows.block(jb, b);
-    const int64_t n = std::min<int64_t>(BS, n_keys - b * BS);
-    for (int64_t t = 0; t < n; ++t) {
+    const int64_t n = std::min<int64_t>(BS, k1 - b * BS);
+    for (int64_t t = std::max<int64_t>(0, k0 - b * BS); t < n; ++t) {
       const float* vr = vb + t * vs1;
       const float* p = st + (b * BS + t) * rp + r0;
       __m512 vv[C];
@@ -275,10 +277,48 @@ inline void tile_values(const TileJob<T>& jb, const ValueRows<T>& vrows, const f
 
 template <int C, int RR, typename T>
 inline void tile_values_rest(int rest, const TileJob<T>& jb, const ValueRows<T>& vrows, const float* st, int64_t rp,
-                             int64_t r0, int64_t n_keys, float* const* orow) {
+                             int64_t r0, int64_t k0, int64_t k1, float* const* orow) {
   if constexpr (RR > 0) {
-    if (rest == RR) return tile_values<C, RR>(jb, vrows, st, rp, r0, n_keys, orow);
-    return tile_values_rest<C, RR - 1>(rest, jb, vrows, st, rp, r0, n_keys, orow);
+    if (rest == RR) return tile_values<C, RR>(jb, vrows, st, rp, r0, k0, k1, orow);
+    return tile_values_rest<C, RR - 1>(rest, jb, vrows, st, rp, r0, k0, k1, orow);
+  }
+}
+
+// Keys a value pass reads before the next row group reads them: V rows and
+// the probabilities of that many keys stay in L1/L2 across the row groups,
+// where a pass over the whole context re-read both from L3 once a group
+// (a 6,000-key context: 1.5 MB of V and 1.5 MB of probabilities).
+constexpr int64_t kTileValueKeys = 256;
+
+// Softmax down the L keys of every row vector: scores replaced by
+// probabilities, exp(score - max) / sum (R16: rounded to bf16). Up to 16
+// vectors a pass, so each pass reads a key's line once, not once a vector.
+template <bool R16>
+inline void tile_softmax(float* st, int64_t rp, int64_t L) {
+  constexpr int64_t kV = 16;
+  for (int64_t j0 = 0; j0 < rp / 16; j0 += kV) {
+    const int64_t nv = std::min<int64_t>(kV, rp / 16 - j0);
+    __m512 mx[kV], sum[kV];
+    for (int64_t j = 0; j < nv; ++j) {
+      mx[j] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      sum[j] = _mm512_setzero_ps();
+    }
+    for (int64_t key = 0; key < L; ++key)
+      for (int64_t j = 0; j < nv; ++j) mx[j] = _mm512_max_ps(mx[j], _mm512_loadu_ps(st + key * rp + 16 * (j0 + j)));
+    for (int64_t key = 0; key < L; ++key)
+      for (int64_t j = 0; j < nv; ++j) {
+        float* s = st + key * rp + 16 * (j0 + j);
+        const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(s), mx[j]));
+        _mm512_storeu_ps(s, e);
+        sum[j] = _mm512_add_ps(sum[j], e);
+      }
+    for (int64_t j = 0; j < nv; ++j) sum[j] = _mm512_div_ps(_mm512_set1_ps(1.f), sum[j]);
+    for (int64_t key = 0; key < L; ++key)
+      for (int64_t j = 0; j < nv; ++j) {
+        float* s = st + key * rp + 16 * (j0 + j);
+        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s), sum[j]);
+        _mm512_storeu_ps(s, R16 ? round_bf16x16(p) : p);  // softmax(..., dtype=float32).to(T)
+      }
   }
 }
 
@@ -565,37 +605,35 @@ void attend_tile(const TileJob<T>& jb, TileScratch& sc) {
   }
 
   tile_mask(st, rp, sc.pos.data(), jb.pos0, L);
+  tile_softmax<R16>(st, rp, L);
 
-  // Softmax down the keys, 16 rows a vector.
-  for (int64_t j = 0; j < rp / 16; ++j) {
-    const __m512 inv = tile_exps(st, rp, j, L);
-    for (int64_t key = 0; key < L; ++key) {
-      float* s = st + key * rp + 16 * j;
-      const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s), inv);
-      _mm512_storeu_ps(s, R16 ? round_bf16x16(p) : p);  // softmax(..., dtype=float32).to(T)
-    }
-  }
-
-  // Values, RR rows a step; a step reads keys up to its last row's position.
+  // Values, RR rows a step; a step reads keys up to its last row's position,
+  // kTileValueKeys of them for every row group before the next ones.
   constexpr int RR = tile_value_rows<C>();
+  const int64_t KB = std::max<int64_t>(1, kTileValueKeys / BS) * BS;
   float* orow[RR];
   T* dst[RR];
-  if constexpr (R16) sc.of.resize(RR * D);
-  for (int64_t r0 = 0; r0 < R; r0 += RR) {
-    const int rr = static_cast<int>(std::min<int64_t>(RR, R - r0));
-    for (int i = 0; i < rr; ++i) {
-      const int64_t r = r0 + i;
-      dst[i] = jb.out + (jb.q0 + r / G) * jb.o_s0 + (jb.kvh * G + r % G) * jb.o_s1;
-      if constexpr (R16)
-        orow[i] = sc.of.data() + i * D;
-      else
-        orow[i] = dst[i];
+  if constexpr (R16)
+    if (static_cast<int64_t>(sc.of.size()) < R * D) sc.of.resize(R * D);  // every row's sums across key blocks
+  for (int64_t k0 = 0; k0 < L; k0 += KB)
+    for (int64_t r0 = 0; r0 < R; r0 += RR) {
+      const int rr = static_cast<int>(std::min<int64_t>(RR, R - r0));
+      const int64_t n_keys = jb.pos0 + (r0 + rr - 1) / G + 1;
+      if (k0 >= n_keys) continue;
+      for (int i = 0; i < rr; ++i) {
+        const int64_t r = r0 + i;
+        dst[i] = jb.out + (jb.q0 + r / G) * jb.o_s0 + (jb.kvh * G + r % G) * jb.o_s1;
+        if constexpr (R16)
+          orow[i] = sc.of.data() + r * D;
+        else
+          orow[i] = dst[i];
+      }
+      tile_values_rest<C, RR>(rr, jb, vrows, st, rp, r0, k0, std::min(n_keys, k0 + KB), orow);
+      if constexpr (R16)  // the output rounded once, as the walk rounds it (c10: to nearest even)
+        if (k0 + KB >= n_keys)
+          for (int i = 0; i < rr; ++i)
+            for (int64_t e = 0; e < D; ++e) dst[i][e] = static_cast<c10::BFloat16>(orow[i][e]);
     }
-    tile_values_rest<C, RR>(rr, jb, vrows, st, rp, r0, jb.pos0 + (r0 + rr - 1) / G + 1, orow);
-    if constexpr (R16)  // the output rounded once, as the walk rounds it (c10: to nearest even)
-      for (int i = 0; i < rr; ++i)
-        for (int64_t e = 0; e < D; ++e) dst[i][e] = static_cast<c10::BFloat16>(orow[i][e]);
-  }
 }
 
 }  // namespace kvpager
