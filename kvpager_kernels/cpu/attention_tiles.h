@@ -164,19 +164,34 @@ inline void tile_mask(float* st, int64_t rp, const int32_t* pos, int64_t pos0, i
     }
 }
 
-// Softmax of rows [16j, 16j + 16) down the L keys: their scores replaced by
-// exp(score - max) in place; returns 1 / each row's sum of them.
-inline __m512 tile_exps(float* st, int64_t rp, int64_t j, int64_t L) {
-  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t key = 0; key < L; ++key) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + key * rp + 16 * j));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t key = 0; key < L; ++key) {
-    float* s = st + key * rp + 16 * j;
-    const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
-    _mm512_storeu_ps(s, e);
-    sum = _mm512_add_ps(sum, e);
+// Softmax of the row vectors [j0, j0 + nv) (nv <= kTileExpVectors) down the
+// L keys: their scores replaced by exp(score - max) in place; inv[j] = 1 /
+// each row's sum of them. The vectors share each pass, so a pass reads a
+// key's line once, not once a vector.
+constexpr int64_t kTileExpVectors = 16;
+inline void tile_exps_n(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t L, __m512* inv) {
+  __m512 mx[kTileExpVectors], sum[kTileExpVectors];
+  for (int64_t j = 0; j < nv; ++j) {
+    mx[j] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    sum[j] = _mm512_setzero_ps();
   }
-  return _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+  for (int64_t key = 0; key < L; ++key)
+    for (int64_t j = 0; j < nv; ++j) mx[j] = _mm512_max_ps(mx[j], _mm512_loadu_ps(st + key * rp + 16 * (j0 + j)));
+  for (int64_t key = 0; key < L; ++key)
+    for (int64_t j = 0; j < nv; ++j) {
+      float* s = st + key * rp + 16 * (j0 + j);
+      const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(s), mx[j]));
+      _mm512_storeu_ps(s, e);
+      sum[j] = _mm512_add_ps(sum[j], e);
+    }
+  for (int64_t j = 0; j < nv; ++j) inv[j] = _mm512_div_ps(_mm512_set1_ps(1.f), sum[j]);
+}
+
+// The rows [16j, 16j + 16) alone; returns 1 / each row's sum.
+inline __m512 tile_exps(float* st, int64_t rp, int64_t j, int64_t L) {
+  __m512 inv;
+  tile_exps_n(st, rp, j, 1, L, &inv);
+  return inv;
 }
 
 // st[i][16j..] = (K[key_i] . QT[.][16j..]) * scale for NK keys and J vectors
@@ -291,32 +306,18 @@ inline void tile_values_rest(int rest, const TileJob<T>& jb, const ValueRows<T>&
 constexpr int64_t kTileValueKeys = 256;
 
 // Softmax down the L keys of every row vector: scores replaced by
-// probabilities, exp(score - max) / sum (R16: rounded to bf16). Up to 16
-// vectors a pass, so each pass reads a key's line once, not once a vector.
+// probabilities, exp(score - max) / sum (R16: rounded to bf16), up to
+// kTileExpVectors vectors a pass.
 template <bool R16>
 inline void tile_softmax(float* st, int64_t rp, int64_t L) {
-  constexpr int64_t kV = 16;
-  for (int64_t j0 = 0; j0 < rp / 16; j0 += kV) {
-    const int64_t nv = std::min<int64_t>(kV, rp / 16 - j0);
-    __m512 mx[kV], sum[kV];
-    for (int64_t j = 0; j < nv; ++j) {
-      mx[j] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      sum[j] = _mm512_setzero_ps();
-    }
-    for (int64_t key = 0; key < L; ++key)
-      for (int64_t j = 0; j < nv; ++j) mx[j] = _mm512_max_ps(mx[j], _mm512_loadu_ps(st + key * rp + 16 * (j0 + j)));
+  for (int64_t j0 = 0; j0 < rp / 16; j0 += kTileExpVectors) {
+    const int64_t nv = std::min<int64_t>(kTileExpVectors, rp / 16 - j0);
+    __m512 inv[kTileExpVectors];
+    tile_exps_n(st, rp, j0, nv, L, inv);
     for (int64_t key = 0; key < L; ++key)
       for (int64_t j = 0; j < nv; ++j) {
         float* s = st + key * rp + 16 * (j0 + j);
-        const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(s), mx[j]));
-        _mm512_storeu_ps(s, e);
-        sum[j] = _mm512_add_ps(sum[j], e);
-      }
-    for (int64_t j = 0; j < nv; ++j) sum[j] = _mm512_div_ps(_mm512_set1_ps(1.f), sum[j]);
-    for (int64_t key = 0; key < L; ++key)
-      for (int64_t j = 0; j < nv; ++j) {
-        float* s = st + key * rp + 16 * (j0 + j);
-        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s), sum[j]);
+        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(s), inv[j]);
         _mm512_storeu_ps(s, R16 ? round_bf16x16(p) : p);  // softmax(..., dtype=float32).to(T)
       }
   }
