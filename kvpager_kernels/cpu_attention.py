@@ -7,9 +7,11 @@ dtype rounded where transformers' eager attention rounds): no gathered copy
 of the context per layer and step. So do prefill chunks small enough that the
 kernel's vector arithmetic beats a separate SDPA call for the sequence (its
 fixed cost is a gather, a mask and a dispatch per layer): on a CPU without
-AMX every prompt up to a few thousand tokens. In the kernel, fp32 chunks of
-``TILE_MIN_QUERY`` tokens or more are attended in tiles of up to 16 tokens x
-the GQA group (small matrix products over the same block tables). Chunks
+AMX every prompt up to a few thousand tokens. In the kernel, fp32 and bf16
+chunks of ``TILE_MIN_QUERY`` tokens or more are attended in tiles of up to 16
+tokens x the GQA group (small matrix products over the same block tables);
+fp32 contexts of ``ONLINE_MIN_KEYS`` keys or more in tiles of ~128 rows that
+walk the context in key blocks with an online softmax. Chunks
 past the budget keep the reference's path (one sequence's context gathered once, then
 ``scaled_dot_product_attention``'s flash kernel), in the model's dtype rather
 than the reference's fp32 (bf16 SDPA runs on AMX tiles where there are any).
@@ -35,6 +37,12 @@ SHORT_QUERY = 16
 # read; a 0.5B prefill's attention 28 -> ~18 ms a layer on the AVX-512 EPYC,
 # docs/benchmarks.md); decodes walk their one query. 0: never.
 TILE_MIN_QUERY = 2
+# fp32 tiles of contexts at least this long walk the context in key blocks
+# with an online softmax (kvpager_kernels/cpu/attention_online.h): their
+# scores stay in L1/L2 and a tile keeps ~128 rows. From 16,384 keys 1.3-2.6x
+# the one-pass tile's speed, level at 8,192, 5-15 % slower at a few hundred
+# (Zen 5 EPYC, docs/kernels.md). 0: never.
+ONLINE_MIN_KEYS = 8192
 # bf16 tiles run their two products on AMX where the CPU has it and the head
 # dim is a multiple of 32 (kvpager_kernels/cpu/attention_amx.h); False keeps
 # AVX512-BF16's pair kernel (tests compare the two).
@@ -52,10 +60,12 @@ AMX_TILES = True
 # kernel stays ahead in bf16 up to 2,048 x 16,384 and 1,024 x 32,768 (0.4-0.7
 # of SDPA's time on a Zen 5 EPYC) and in fp32 up to 2,048 x 8,192 and
 # 512 x 32,768 (0.34-0.63 there; level at 2,048 x 2,048 on a Zen 4 EPYC);
+# with the online tiles past ONLINE_MIN_KEYS, fp32 up to 4,096 x 16,384 and
+# 2,048 x 32,768 (0.40-0.57 of SDPA's time at 2, 4 and 7 heads a kv head, Zen 5);
 # elsewhere the budgets the fp32 kernel measured before the pair kernel.
 IN_PLACE_PAIRS = {
     "amx": {torch.float32: 65536, torch.bfloat16: 65536, torch.float16: 65536},
-    "avx512_bf16": {torch.float32: 1 << 24, torch.bfloat16: 1 << 25, torch.float16: 1 << 22},
+    "avx512_bf16": {torch.float32: 1 << 26, torch.bfloat16: 1 << 25, torch.float16: 1 << 22},
     "other": {torch.float32: 1 << 20, torch.bfloat16: 1 << 22, torch.float16: 1 << 22},
 }
 
@@ -158,7 +168,8 @@ def paged_attention(
         # 0 = no window / no soft-capping in the C++ signature.
         torch.ops.kvpager_cpu.paged_attention(out, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
                                               qsl.contiguous(), plan.in_place_seqs, float(scale), int(window or 0),
-                                              float(softcap or 0.0), TILE_MIN_QUERY, AMX_TILES)
+                                              float(softcap or 0.0), TILE_MIN_QUERY, ONLINE_MIN_KEYS,
+                                              AMX_TILES)
     for c in plan.long_chunks:  # in the model's dtype: the reference upcasts to fp32
         reference._attend_prefill(q, k_cache, v_cache, c, scale, out, softcap, native=True)
     return out

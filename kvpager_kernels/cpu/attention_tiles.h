@@ -89,6 +89,7 @@ struct TileScratch {
   std::vector<float> kf, vf, of;   // bf16 only: K of a block [BS][D], V [L][D], out rows [RR][D]
   std::vector<uint32_t> qp, pp, vp;  // bf16 pairs (AVX512-BF16): Q [D/2][rp], P [L/2][rp], V [L/2][D]
   std::vector<uint16_t> kt, pt;      // bf16 on AMX (attention_amx.h): K rows [16][D], P [rp][L]
+  std::vector<float> run;          // online fp32 tiles (attention_online.h): max, sum, alpha [3][rp]
   std::vector<int32_t> pos;        // [rp] each row's position (padding: the last row's)
   std::vector<const void*> rows;   // [R] each row's query vector (a const T*)
 };
@@ -109,6 +110,7 @@ struct TileJob {
   int64_t block_size, group;
   int64_t q0, pos0, count, kvh;
   float scale;
+  bool online;  // fp32: attention_online.h's tile (a long context)
 };
 
 // r[i][j] <- r[j][i]: sixteen rows of sixteen floats transposed in registers.
@@ -151,15 +153,15 @@ inline void tile_rows(const TileJob<T>& jb, TileScratch& sc, int64_t R, int64_t 
   for (int64_t r = R; r < rp; ++r) sc.pos[r] = static_cast<int32_t>(L - 1);  // padding sees real keys: no NaN
 }
 
-// Causal mask on the scores st [L][rp]: only the tile's own later tokens
-// (keys past pos0) lie past a row's position.
-inline void tile_mask(float* st, int64_t rp, const int32_t* pos, int64_t pos0, int64_t L) {
+// Causal mask on the scores of keys [k0, k1), st [k1 - k0][rp] from key k0:
+// only the tile's own later tokens (keys past pos0) lie past a row's position.
+inline void tile_mask(float* st, int64_t rp, const int32_t* pos, int64_t pos0, int64_t k0, int64_t k1) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t key = pos0 + 1; key < L; ++key)
+  for (int64_t key = std::max(pos0 + 1, k0); key < k1; ++key)
     for (int64_t j = 0; j < rp / 16; ++j) {
       const __m512i p = _mm512_loadu_si512(pos + 16 * j);
       const __mmask16 past = _mm512_cmplt_epi32_mask(p, _mm512_set1_epi32(static_cast<int32_t>(key)));
-      float* s = st + key * rp + 16 * j;
+      float* s = st + (key - k0) * rp + 16 * j;
       _mm512_storeu_ps(s, _mm512_mask_mov_ps(_mm512_loadu_ps(s), past, ninf));
     }
 }
@@ -236,6 +238,68 @@ inline void tile_scores_keys(const float* qt, int64_t rp, const float* const* kr
   }
 }
 
+// The tile's queries transposed, qt [D][rp] (fp32; padding rows zero): 16
+// rows x 16 dims a register transpose. Rows as tile_rows laid them out.
+template <int C, typename T>
+inline void tile_query_t(TileScratch& sc, int64_t R, int64_t rp) {
+  constexpr int64_t D = 16 * C;
+  if (static_cast<int64_t>(sc.qt.size()) < D * rp) sc.qt.resize(D * rp);
+  float* qt = sc.qt.data();
+  for (int64_t j = 0; j < rp / 16; ++j)
+    for (int c = 0; c < C; ++c) {
+      __m512 blk[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t r = 16 * j + i;
+        blk[i] = r < R ? load16(static_cast<const T*>(sc.rows[r]) + 16 * c) : _mm512_setzero_ps();
+      }
+      transpose16(blk);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(qt + (16 * c + i) * rp + 16 * j, blk[i]);
+    }
+}
+
+// Scores of the keys [k0, k1) (k0 a multiple of the block size) against the
+// tile's queries (tile_query_t), st [k1 - k0][rp] from key k0: block by block
+// of the table, six keys a step, fp32 K read in place (bf16: a block
+// converted at a time).
+template <int C, typename T>
+inline void tile_scores_range(const TileJob<T>& jb, TileScratch& sc, int64_t rp, int64_t k0, int64_t k1, float* st) {
+  constexpr int64_t D = 16 * C;
+  constexpr bool R16 = std::is_same_v<T, c10::BFloat16>;
+  const int64_t BS = jb.block_size;
+  const float* qt = sc.qt.data();
+  if constexpr (R16)
+    if (static_cast<int64_t>(sc.kf.size()) < BS * D) sc.kf.resize(BS * D);
+  const float* krow[6];
+  for (int64_t b = k0 / BS; b * BS < k1; ++b) {
+    const T* kp = jb.k + static_cast<int64_t>(jb.table[b]) * jb.k_s0 + jb.kvh * jb.k_s2;
+    const int64_t n = std::min<int64_t>(BS, k1 - b * BS);
+    const float* kb;
+    int64_t ks;
+    if constexpr (R16) {
+      rows_f32<C>(kp, jb.k_s1, n, sc.kf.data());
+      kb = sc.kf.data(), ks = D;
+    } else {
+      kb = kp, ks = jb.k_s1;
+    }
+    float* sb = st + (b * BS - k0) * rp;
+    int64_t t = 0;
+    for (; t + 6 <= n; t += 6) {
+      for (int i = 0; i < 6; ++i) krow[i] = kb + (t + i) * ks;
+      tile_scores_keys<6, R16>(qt, rp, krow, D, sb + t * rp, jb.scale);
+    }
+    for (int i = 0; i < n - t; ++i) krow[i] = kb + (t + i) * ks;
+    float* s = sb + t * rp;
+    switch (n - t) {
+      case 5: tile_scores_keys<5, R16>(qt, rp, krow, D, s, jb.scale); break;
+      case 4: tile_scores_keys<4, R16>(qt, rp, krow, D, s, jb.scale); break;
+      case 3: tile_scores_keys<3, R16>(qt, rp, krow, D, s, jb.scale); break;
+      case 2: tile_scores_keys<2, R16>(qt, rp, krow, D, s, jb.scale); break;
+      case 1: tile_scores_keys<1, R16>(qt, rp, krow, D, s, jb.scale); break;
+      default: break;
+    }
+  }
+}
+
 // Rows per value step: RR rows x C vectors of D in registers (at most 24).
 template <int C>
 constexpr int tile_value_rows() {
@@ -262,22 +326,32 @@ struct ValueRows {
   }
 };
 
-// o[r] (+)= sum over keys [k0, k1) of st[key][r0 + r] * V[key] for RR rows:
-// from zero when k0 is 0, else onto the sums o[r] holds (fp32, stored and
-// read back unrounded: the same sums in the same key order as one walk).
+// o[r] (+)= sum over keys [k0, k1) of st[key - kst][r0 + r] * V[key] for RR
+// rows: from zero when k0 is 0, else onto the sums o[r] holds (fp32, stored
+// and read back unrounded: the same sums in the same key order as one walk),
+// each first scaled by alpha[r0 + r] where alpha is given (the online
+// softmax's correction for a raised maximum).
 template <int C, int RR, typename T>
 inline void tile_values(const TileJob<T>& jb, const ValueRows<T>& vrows, const float* __restrict st, int64_t rp,
-                        int64_t r0, int64_t k0, int64_t k1, float* const* orow) {
+                        int64_t r0, int64_t k0, int64_t k1, float* const* orow, int64_t kst = 0,
+                        const float* alpha = nullptr) {
   __m512 acc[RR][C];
-  for (int r = 0; r < RR; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(orow[r] + 16 * c);
+  for (int r = 0; r < RR; ++r) {
+    const __m512 a = alpha ? _mm512_set1_ps(alpha[r0 + r]) : _mm512_set1_ps(1.f);
+    for (int c = 0; c < C; ++c) {
+      if (k0 == 0)
+        acc[r][c] = _mm512_setzero_ps();
+      else
+        acc[r][c] = alpha ? _mm512_mul_ps(_mm512_loadu_ps(orow[r] + 16 * c), a) : _mm512_loadu_ps(orow[r] + 16 * c);
+    }
+  }
   const int64_t BS = jb.block_size, vs1 = vrows.row_stride(jb);
   for (int64_t b = k0 / BS; b * BS < k1; ++b) {
     const float* vb = vrows.block(jb, b);
     const int64_t n = std::min<int64_t>(BS, k1 - b * BS);
     for (int64_t t = std::max<int64_t>(0, k0 - b * BS); t < n; ++t) {
       const float* vr = vb + t * vs1;
-      const float* p = st + (b * BS + t) * rp + r0;
+      const float* p = st + (b * BS + t - kst) * rp + r0;
       __m512 vv[C];
       for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
       for (int r = 0; r < RR; ++r) {
@@ -292,10 +366,11 @@ inline void tile_values(const TileJob<T>& jb, const ValueRows<T>& vrows, const f
 
 template <int C, int RR, typename T>
 inline void tile_values_rest(int rest, const TileJob<T>& jb, const ValueRows<T>& vrows, const float* st, int64_t rp,
-                             int64_t r0, int64_t k0, int64_t k1, float* const* orow) {
+                             int64_t r0, int64_t k0, int64_t k1, float* const* orow, int64_t kst = 0,
+                             const float* alpha = nullptr) {
   if constexpr (RR > 0) {
-    if (rest == RR) return tile_values<C, RR>(jb, vrows, st, rp, r0, k0, k1, orow);
-    return tile_values_rest<C, RR - 1>(rest, jb, vrows, st, rp, r0, k0, k1, orow);
+    if (rest == RR) return tile_values<C, RR>(jb, vrows, st, rp, r0, k0, k1, orow, kst, alpha);
+    return tile_values_rest<C, RR - 1>(rest, jb, vrows, st, rp, r0, k0, k1, orow, kst, alpha);
   }
 }
 
@@ -505,7 +580,7 @@ void attend_tile_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
 
   // Causal mask and softmax as attend_tile's; the probabilities go out as
   // bf16 pairs of keys (a zero probability past an odd context's end).
-  tile_mask(st, rp, sc.pos.data(), jb.pos0, L);
+  tile_mask(st, rp, sc.pos.data(), jb.pos0, 0, L);
   uint32_t* pp = sc.pp.data();
   for (int64_t j = 0; j < rp / 16; ++j) {
     const __m512 inv = tile_exps(st, rp, j, L);
@@ -548,64 +623,23 @@ void attend_tile(const TileJob<T>& jb, TileScratch& sc) {
   if constexpr (R16) return attend_tile_pairs<C>(jb, sc);
 #endif
   const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
-  if (static_cast<int64_t>(sc.qt.size()) < D * rp) sc.qt.resize(D * rp);
   if (static_cast<int64_t>(sc.st.size()) < L * rp) sc.st.resize(L * rp);
   tile_rows(jb, sc, R, rp, L);
   const int64_t BS = jb.block_size;
   ValueRows<T> vrows{nullptr, D};
   if constexpr (R16) {
     const int64_t nb = (L + BS - 1) / BS;
-    if (static_cast<int64_t>(sc.kf.size()) < BS * D) sc.kf.resize(BS * D);
     if (static_cast<int64_t>(sc.vf.size()) < nb * BS * D) sc.vf.resize(nb * BS * D);
     for (int64_t b = 0; b < nb; ++b)
       rows_f32<C>(jb.v + static_cast<int64_t>(jb.table[b]) * jb.v_s0 + jb.kvh * jb.v_s2, jb.v_s1,
                   std::min<int64_t>(BS, L - b * BS), sc.vf.data() + b * BS * D);
     vrows.vf = sc.vf.data();
   }
-  float* qt = sc.qt.data();
   float* st = sc.st.data();
-  for (int64_t j = 0; j < rp / 16; ++j)  // QT, 16 rows x 16 dims a register transpose
-    for (int c = 0; c < C; ++c) {
-      __m512 blk[16];
-      for (int i = 0; i < 16; ++i) {
-        const int64_t r = 16 * j + i;
-        blk[i] = r < R ? load16(static_cast<const T*>(sc.rows[r]) + 16 * c) : _mm512_setzero_ps();
-      }
-      transpose16(blk);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(qt + (16 * c + i) * rp + 16 * j, blk[i]);
-    }
+  tile_query_t<C, T>(sc, R, rp);
+  tile_scores_range<C>(jb, sc, rp, 0, L, st);
 
-  // Scores, block by block of the table, six keys a step.
-  const float* krow[6];
-  for (int64_t b = 0; b * BS < L; ++b) {
-    const T* kp = jb.k + static_cast<int64_t>(jb.table[b]) * jb.k_s0 + jb.kvh * jb.k_s2;
-    const int64_t n = std::min<int64_t>(BS, L - b * BS);
-    const float* kb;
-    int64_t ks;
-    if constexpr (R16) {
-      rows_f32<C>(kp, jb.k_s1, n, sc.kf.data());
-      kb = sc.kf.data(), ks = D;
-    } else {
-      kb = kp, ks = jb.k_s1;
-    }
-    int64_t t = 0;
-    for (; t + 6 <= n; t += 6) {
-      for (int i = 0; i < 6; ++i) krow[i] = kb + (t + i) * ks;
-      tile_scores_keys<6, R16>(qt, rp, krow, D, st + (b * BS + t) * rp, jb.scale);
-    }
-    for (int i = 0; i < n - t; ++i) krow[i] = kb + (t + i) * ks;
-    float* s = st + (b * BS + t) * rp;
-    switch (n - t) {
-      case 5: tile_scores_keys<5, R16>(qt, rp, krow, D, s, jb.scale); break;
-      case 4: tile_scores_keys<4, R16>(qt, rp, krow, D, s, jb.scale); break;
-      case 3: tile_scores_keys<3, R16>(qt, rp, krow, D, s, jb.scale); break;
-      case 2: tile_scores_keys<2, R16>(qt, rp, krow, D, s, jb.scale); break;
-      case 1: tile_scores_keys<1, R16>(qt, rp, krow, D, s, jb.scale); break;
-      default: break;
-    }
-  }
-
-  tile_mask(st, rp, sc.pos.data(), jb.pos0, L);
+  tile_mask(st, rp, sc.pos.data(), jb.pos0, 0, L);
   tile_softmax<R16>(st, rp, L);
 
   // Values, RR rows a step; a step reads keys up to its last row's position,

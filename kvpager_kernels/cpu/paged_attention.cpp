@@ -12,8 +12,9 @@
 // probabilities are rounded where transformers' eager attention rounds them
 // (finish_scores, scale_round). fp32 and bf16 prefill chunks (at least
 // tile_min_query tokens) go to attention_tiles.h instead: up to 16 tokens x
-// the group at once, as small matrix products, rounded at the same points;
-// decodes (and fp16) are walked here.
+// the group at once, as small matrix products, rounded at the same points
+// (fp32 contexts of online_min_keys or more: attention_online.h, in key
+// blocks with an online softmax); decodes (and fp16) are walked here.
 //
 // Registered as torch.ops.kvpager_cpu.paged_attention (see kvpager_kernels/cpu_attention.py,
 // which decides which sequences come here; kvpager_kernels/reference.py is the reference).
@@ -25,6 +26,7 @@
 #include <torch/library.h>
 
 #include "attention_amx.h"
+#include "attention_online.h"
 #include "attention_tiles.h"
 #include "vec.h"
 
@@ -700,7 +702,8 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
 }
 
 #if defined(__AVX512F__)
-// The tiles of fp32 and bf16 prefill chunks (attention_tiles.h), handed out
+// The tiles of fp32 and bf16 prefill chunks (attention_tiles.h; fp32 of long
+// contexts attention_online.h), handed out
 // one at a time, last first (a sequence's later tokens attend more keys).
 // amx: bf16 tiles of a head dim that is a multiple of 32 on the matrix unit
 // (attention_amx.h), where it is built and the kernel grants it.
@@ -727,8 +730,15 @@ void run_tiles(const std::vector<kvpager::TileJob<T>>& jobs, bool amx) {
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
     kvpager::TileScratch scratch;
     for (int64_t taken = next.fetch_add(1, std::memory_order_relaxed); taken < n;
-         taken = next.fetch_add(1, std::memory_order_relaxed))
-      kvpager::attend_tile<C, T>(jobs[n - 1 - taken], scratch);
+         taken = next.fetch_add(1, std::memory_order_relaxed)) {
+      const kvpager::TileJob<T>& jb = jobs[n - 1 - taken];
+      if constexpr (std::is_same_v<T, float>)
+        if (jb.online) {
+          kvpager::attend_tile_online<C>(jb, scratch);
+          continue;
+        }
+      kvpager::attend_tile<C, T>(jb, scratch);
+    }
   });
 }
 
@@ -780,12 +790,14 @@ void dispatch_dim(const Shape& sh, const at::Tensor& out, const at::Tensor& q, c
 // window may be padding). softcap > 0: Gemma 2's logit soft-capping.
 // tile_min_query: fp32 and bf16 chunks of at least this many queries are
 // attended in tiles (attention_tiles.h, AVX-512 builds); 0 walks every query alone.
+// online_min_keys: fp32 tiles of contexts at least this long run attention_online.h's
+// key blocks instead (0: never).
 // amx_tiles: bf16 tiles on AMX where there is one (attention_amx.h); false: the
 // AVX-512 tiles everywhere.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& seqs, double scale, int64_t window,
-                     double softcap, int64_t tile_min_query, bool amx_tiles) {
+                     double softcap, int64_t tile_min_query, int64_t online_min_keys, bool amx_tiles) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0 = off)");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of one shape");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [NB, BS, KVH, D]");
@@ -843,7 +855,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     }
 #if defined(__AVX512F__)
     if (tiles_take(sh, q.scalar_type(), q_len, tile_min_query)) {
-      const int64_t per = kvpager::tile_tokens(sh.group, lens[s]);
+      const bool online = q.scalar_type() == at::kFloat && online_min_keys > 0 && lens[s] >= online_min_keys;
+      const int64_t per = online ? kvpager::online_tile_tokens(sh.group) : kvpager::tile_tokens(sh.group, lens[s]);
       auto add = [&](auto& to, auto* elem) {
         using T = std::remove_pointer_t<decltype(elem)>;
         for (int64_t j = 0; j < q_len; j += per)
@@ -851,7 +864,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
             to.push_back({q.data_ptr<T>(), sh.q_s0, sh.q_s1, k_cache.data_ptr<T>(), sh.k_s0, sh.k_s1, sh.k_s2,
                           v_cache.data_ptr<T>(), sh.v_s0, sh.v_s1, sh.v_s2, out.data_ptr<T>(), sh.o_s0, sh.o_s1,
                           tables + s * sh.max_blocks, sh.block_size, sh.group, qsl[s] + j, lens[s] - q_len + j,
-                          std::min(per, q_len - j), h, sc});
+                          std::min(per, q_len - j), h, sc, online});
       };
       if (q.scalar_type() == at::kFloat)
         add(jobs, static_cast<float*>(nullptr));
@@ -895,7 +908,7 @@ TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale, int window, float softcap, "
-      "int tile_min_query, bool amx_tiles) -> ()");
+      "int tile_min_query, int online_min_keys, bool amx_tiles) -> ()");
   m.def("amx_usable() -> bool", &amx_usable);
 }
 

@@ -61,8 +61,9 @@ def test_tiles_cross_blocks_of_any_size(monkeypatch, block_size, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_context_shrinks_the_tile(monkeypatch, dtype):
-    # 10,000 keys x 7 heads: the score rows of 16 tokens would pass 4 MiB,
-    # so tiles hold fewer tokens (tile_tokens: 14 here); the answer is the same.
+    # 10,000 keys x 7 heads: bf16's score rows of 16 tokens would pass 4 MiB,
+    # so its tiles hold fewer tokens (tile_tokens: 14 here); fp32 goes to the
+    # online tile (ONLINE_MIN_KEYS); the answer is the same.
     batch = make_paged_batch([10_000], [40], num_heads=14, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
     tiled, walked = _both(batch, monkeypatch)
     if dtype == torch.float32:
@@ -70,6 +71,66 @@ def test_long_context_shrinks_the_tile(monkeypatch, dtype):
     else:  # 10,000 fp32 sums in another order: a few more land on the other side of a bf16 rounding
         torch.testing.assert_close(tiled.float(), walked.float(), atol=2 ** -6, rtol=2 ** -6)
         assert (tiled == walked).float().mean().item() >= 0.95
+
+
+def _online(batch, monkeypatch, min_keys, **kw):
+    """The tiled output with ONLINE_MIN_KEYS = min_keys (0: the one-pass tiles only)."""
+    monkeypatch.setattr(cpu_attention, "TILE_MIN_QUERY", TILE_MIN_QUERY)
+    monkeypatch.setattr(cpu_attention, "ONLINE_MIN_KEYS", min_keys)
+    plan = cpu_attention.CpuAttentionPlan(in_place_seqs=torch.arange(batch.seq_lens.numel()))
+    return cpu_attention.paged_attention(*batch.args(), plan=plan, **kw)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("head_dim", [32, 80, 128])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_online_tiles_match_the_walk_and_the_reference(monkeypatch, group, head_dim, block_size):
+    """fp32 tiles in key blocks with an online softmax (attention_online.h),
+    brought down to short contexts: 600 keys are five key blocks of 128 (of
+    125 at block size 5, the last one partial), the rows' causal ends falling
+    in the third to fifth; 300 queries at group 1 are tiles of 128 tokens (two
+    full, one ragged), at group 7 of 18 (126 rows and 2 of padding in 8
+    vectors); a cached prefix, a chunk whose every key is in the first block,
+    and a decode that stays walked."""
+    batch = make_paged_batch([600, 70, 9, 64], [300, 33, 9, 1], num_heads=2 * group, num_kv_heads=2,
+                             head_dim=head_dim, block_size=block_size)
+    online = _online(batch, monkeypatch, 1)
+    one_pass = _online(batch, monkeypatch, 0)
+    monkeypatch.setattr(cpu_attention, "TILE_MIN_QUERY", 0)
+    walked = cpu_attention.paged_attention(*batch.args(),
+                                           plan=cpu_attention.CpuAttentionPlan(in_place_seqs=torch.arange(4)))
+    torch.testing.assert_close(online, walked, **TOL)
+    torch.testing.assert_close(online, R.paged_attention(*batch.args()), **TOL)
+    torch.testing.assert_close(online, contiguous_attention(batch), **TOL)
+    assert not torch.equal(online[:300], one_pass[:300])  # the online tile did run (other sums, same answer)
+    assert torch.equal(online[-1], walked[-1])  # the decode's row is the walk's own
+
+
+def test_fp32_contexts_from_online_min_keys_go_online_and_bf16_never():
+    # The product's threshold: a chunk at 8,200 keys goes online, one at 8,000
+    # beside it keeps the one-pass tile; bf16 tiles ignore the setting.
+    assert cpu_attention.ONLINE_MIN_KEYS == 8192
+    batch = make_paged_batch([8200, 8000], [40, 40], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    mp = pytest.MonkeyPatch()
+    try:
+        default = _online(batch, mp, cpu_attention.ONLINE_MIN_KEYS)
+        always, never = _online(batch, mp, 1), _online(batch, mp, 0)
+        assert torch.equal(default[:40], always[:40]) and not torch.equal(default[:40], never[:40])
+        assert torch.equal(default[40:], never[40:]) and not torch.equal(default[40:], always[40:])
+        torch.testing.assert_close(default, R.paged_attention(*batch.args()), **TOL)
+        bf = make_paged_batch([300], [300], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                              dtype=torch.bfloat16)
+        assert torch.equal(_online(bf, mp, 1), _online(bf, mp, 0))
+    finally:
+        mp.undo()
+
+
+def test_online_tiles_read_nothing_past_each_length(monkeypatch):
+    batch = make_paged_batch([450, 130], [450, 30], num_heads=14, num_kv_heads=2, head_dim=64, block_size=16)
+    want = _online(batch, monkeypatch, 1)
+    poison_unread(batch)
+    got = _online(batch, monkeypatch, 1)
+    assert torch.equal(got, want)
 
 
 def test_tiles_read_nothing_past_each_length_and_leave_other_rows():

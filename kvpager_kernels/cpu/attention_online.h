@@ -1,0 +1,144 @@
+// fp32 prefill tiles with an online softmax: a long context in key blocks.
+//
+// attention_tiles.h's tile writes its rows' scores for the whole context,
+// then masks, exponentiates, normalises and reads them back in passes. Past
+// a few MiB of scores (L x rows floats: 16,384 keys x 64 rows is 4 MiB, twice
+// a core's L2 on the Zen 5 EPYC) those passes go to L3, and tile_tokens
+// shrinks the tile to stay under 4 MiB, so each tile re-reads the context's
+// K/V for fewer rows. Here the context goes by in blocks of kOnlineKeys keys,
+// each block's scores staying in L1/L2 from their products to their value
+// sums:
+//   scores   S[key][row] = (K[key] . Q[row]) * scale     (tile_scores_range)
+//   mask     -inf past the row's position                 (tile_mask)
+//   maximum  m'[row] = max(m[row], max over the block's keys)
+//   exps     S[key][row] = exp(S - m'), l[row] = l * exp(m - m') + their sum
+//   values   O[row] = O * exp(m - m') + sum_key S[key][row] * V[key]
+// and once, after the last block, O[row] *= 1 / l[row]. The exps are the
+// one-pass tile's (vexp16_fma) against a maximum over fewer keys; each raise
+// of the maximum scales the sums so far by exp(m - m') (exactly 1 where it did
+// not rise), and the output is normalised once rather than every
+// probability: outputs agree with the one-pass tile and the per-token walk to
+// a few ulp (tests/kernels/test_kernels_cpu_tiles.py).
+//
+// A tile's rows no longer bound its scores, so it holds about 128 rows at any
+// context (online_tile_tokens): 2,048 x 16,384 with 8 heads over 8 kv heads
+// took 72.8 ms at 128 tokens a tile against 192.6 at 16. Below
+// online_min_keys (the kernel's argument, cpu_attention.ONLINE_MIN_KEYS:
+// 8,192) the one-pass tile stays: its scores fit L2 there and the
+// online tile's per-block work (a rescale of every row's sums, a maximum and
+// its exp per block) made it 5-15 % slower at 128-400 keys and level at 8,192
+// (docs/kernels.md).
+//
+// bf16 keeps the one-pass tiles: transformers' eager attention rounds each
+// probability (normalised) to bf16, and an online softmax has no sum to
+// normalise by until the last block.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "attention_tiles.h"
+#include "vec.h"
+
+namespace kvpager {
+
+// Keys a block (rounded down to a multiple of the pool's block size, at
+// least one block): 128 x 64 rows of scores is 32 KiB. 64 to 256 ran within
+// a few % of each other; 16 and 32 were 10-30 % slower (each block rescales
+// every row's sums).
+constexpr int64_t kOnlineKeys = 128;
+
+// Query tokens per online tile: about 128 rows (tokens x the GQA group), 16
+// to 128 tokens. A K/V row loaded serves every row of the tile, and without
+// the GQA group's heads a 16-token tile was 16 rows.
+inline int64_t online_tile_tokens(int64_t group) {
+  return std::clamp<int64_t>(128 / std::max<int64_t>(group, 1), kTileMaxTokens, 128);
+}
+
+// Block's scores st [n][rp] of keys [k0, k0 + n) turned into exp(s - m'),
+// per row vector: mx (the running maximum), sum (the running sum of exps)
+// and alpha (exp(m - m'), the factor for the value sums so far; 1 where the
+// maximum did not rise) updated. Up to kTileExpVectors vectors share a pass
+// over the keys: their max and sum chains interleave (one vector's chain
+// alone waits on each max's and add's latency).
+inline void online_exps(float* st, int64_t rp, int64_t n, float* mx, float* sum, float* alpha) {
+  for (int64_t j0 = 0; j0 < rp / 16; j0 += kTileExpVectors) {
+    const int64_t nv = std::min<int64_t>(kTileExpVectors, rp / 16 - j0);
+    __m512 m[kTileExpVectors], s[kTileExpVectors];
+    for (int64_t j = 0; j < nv; ++j) {
+      m[j] = _mm512_loadu_ps(mx + 16 * (j0 + j));
+      s[j] = _mm512_setzero_ps();
+    }
+    for (int64_t key = 0; key < n; ++key)
+      for (int64_t j = 0; j < nv; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(st + key * rp + 16 * (j0 + j)));
+    for (int64_t key = 0; key < n; ++key)
+      for (int64_t j = 0; j < nv; ++j) {
+        float* p = st + key * rp + 16 * (j0 + j);
+        const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(p), m[j]));
+        _mm512_storeu_ps(p, e);
+        s[j] = _mm512_add_ps(s[j], e);
+      }
+    for (int64_t j = 0; j < nv; ++j) {
+      // m is finite: the first block holds key 0, which every row sees.
+      float* mj = mx + 16 * (j0 + j);
+      const __m512 m_old = _mm512_loadu_ps(mj);
+      const __mmask16 rose = _mm512_cmp_ps_mask(m[j], m_old, _CMP_GT_OQ);
+      const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), rose, vexp16_fma(_mm512_sub_ps(m_old, m[j])));
+      _mm512_storeu_ps(mj, m[j]);
+      _mm512_storeu_ps(sum + 16 * (j0 + j), _mm512_fmadd_ps(_mm512_loadu_ps(sum + 16 * (j0 + j)), a, s[j]));
+      _mm512_storeu_ps(alpha + 16 * (j0 + j), a);
+    }
+  }
+}
+
+// One fp32 tile, D = 16 * C: attend_tile's rows, in key blocks.
+template <int C>
+void attend_tile_online(const TileJob<float>& jb, TileScratch& sc) {
+  constexpr int64_t D = 16 * C;
+  const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
+  const int64_t BS = jb.block_size, KB = std::max<int64_t>(1, kOnlineKeys / BS) * BS;
+  if (static_cast<int64_t>(sc.st.size()) < KB * rp) sc.st.resize(KB * rp);
+  if (static_cast<int64_t>(sc.run.size()) < 3 * rp) sc.run.resize(3 * rp);
+  float* st = sc.st.data();
+  float* mx = sc.run.data();
+  float* sum = mx + rp;
+  float* alpha = sum + rp;
+  std::fill(mx, mx + rp, -std::numeric_limits<float>::infinity());
+  std::fill(sum, sum + rp, 0.f);
+  tile_rows(jb, sc, R, rp, L);
+  tile_query_t<C, float>(sc, R, rp);
+
+  constexpr int RR = tile_value_rows<C>();
+  const ValueRows<float> vrows{nullptr, D};
+  float* orow[RR];
+  auto out_row = [&](int64_t r) { return jb.out + (jb.q0 + r / G) * jb.o_s0 + (jb.kvh * G + r % G) * jb.o_s1; };
+  for (int64_t k0 = 0; k0 < L; k0 += KB) {
+    const int64_t k1 = std::min(L, k0 + KB);
+    tile_scores_range<C>(jb, sc, rp, k0, k1, st);
+    tile_mask(st, rp, sc.pos.data(), jb.pos0, k0, k1);
+    online_exps(st, rp, k1 - k0, mx, sum, alpha);
+    // Values, RR rows a step, up to the step's last row's position. A row
+    // group whose keys all lie before k0 is skipped: its exps here are 0 and
+    // its maximum did not rise (alpha 1).
+    for (int64_t r0 = 0; r0 < R; r0 += RR) {
+      const int rr = static_cast<int>(std::min<int64_t>(RR, R - r0));
+      const int64_t n_keys = jb.pos0 + (r0 + rr - 1) / G + 1;
+      if (k0 >= n_keys) continue;
+      for (int i = 0; i < rr; ++i) orow[i] = out_row(r0 + i);
+      tile_values_rest<C, RR>(rr, jb, vrows, st, rp, r0, k0, std::min(n_keys, k1), orow, k0, alpha);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {  // normalised once
+    float* o = out_row(r);
+    const __m512 inv = _mm512_set1_ps(1.f / sum[r]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), inv));
+  }
+}
+
+}  // namespace kvpager
+#endif
