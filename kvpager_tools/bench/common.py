@@ -40,7 +40,11 @@ LLAMA_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, i
 # The 30M Llama with 8,192 positions: prompts past one 2,048-token step
 # (`compare-vllm --model llama-30m-8k --min-input-len 3000 --max-input-len 6000`).
 LLAMA_30M_8K = dict(LLAMA_30M, max_position_embeddings=8192)
-BENCH_MODELS = {"llama-30m": LLAMA_30M, "llama-0.5b": LLAMA_05B, "llama-30m-8k": LLAMA_30M_8K}
+# ... and with 32,768: prompts whose chunks attend 16k-32k keys
+# (`compare-vllm --model llama-30m-32k --min-input-len 16000 --max-input-len 24000`).
+LLAMA_30M_32K = dict(LLAMA_30M, max_position_embeddings=32768)
+BENCH_MODELS = {"llama-30m": LLAMA_30M, "llama-0.5b": LLAMA_05B, "llama-30m-8k": LLAMA_30M_8K,
+                "llama-30m-32k": LLAMA_30M_32K}
 
 
 def progress(name: str, msg: str) -> None:
@@ -80,8 +84,8 @@ def settle(min_s: float, max_s: float = 10.0, busy_frac: float = 0.1, window_s: 
 
 
 def model_dir(name: str | None) -> Path:
-    """"demo" / None: the demo model; "llama-30m" / "llama-0.5b" / "llama-30m-8k": the random
-    benchmark Llamas (built once, shared with `kvpager bench executor`);
+    """"demo" / None: the demo model; a name in BENCH_MODELS ("llama-30m", "llama-0.5b",
+    "llama-30m-8k", "llama-30m-32k"): the random benchmark Llamas (built once, shared with `kvpager bench executor`);
     anything else: a directory."""
     from kvpager_tools.demo_model import build_demo_model, default_demo_dir, ensure_demo_model
 

@@ -60,8 +60,8 @@ OFFLINE_MAX_BURST_MS = 60_000.0
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(NAME, help="kvpager stack vs vLLM (CPU build, offline), same model and prompts")
-    p.add_argument("--model", default="llama-30m", help="'llama-30m' (default), 'llama-0.5b', 'llama-30m-8k' (8,192 positions, for long prompts) "
-                        "or a checkpoint dir")
+    p.add_argument("--model", default="llama-30m", help="'llama-30m' (default), 'llama-0.5b', 'llama-30m-8k' (8,192 positions, for long prompts), "
+                        "'llama-30m-32k' (32,768) or a checkpoint dir")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--min-input-len", type=int, default=16)
@@ -240,21 +240,65 @@ class VllmSession:
 # ---- transformers reference --------------------------------------------------------------
 
 
-def hf_reference(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own generate, greedy, eager attention, fixed length (EOS not a stop)."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+# The share of available memory eager attention's weights may take for one
+# prompt: eager materialises [heads, L, L] scores per layer (a 20,000-token
+# prompt of the 30M model: 12.8 GB in fp32, and the softmax's copy beside it),
+# which killed the benchmark at 16k-24k-token prompts.
+EAGER_MEMORY_SHARE = 0.25
 
-    hf = AutoModelForCausalLM.from_pretrained(model, local_files_only=True, dtype=getattr(torch, dtype),
-                                              attn_implementation="eager").eval()
+
+def eager_fits(num_heads: int, prompt_len: int, itemsize: int, available: int) -> bool:
+    """Whether eager attention's scores, their softmax and its product (about
+    three [heads, L, L] buffers) for a prompt of ``prompt_len`` tokens fit
+    EAGER_MEMORY_SHARE of ``available`` bytes."""
+    return 3 * num_heads * prompt_len * prompt_len * itemsize <= EAGER_MEMORY_SHARE * available
+
+
+def available_memory() -> int:
+    """Bytes the kernel counts as available (MemAvailable; physical pages
+    free where /proc/meminfo has none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def hf_reference(model: str, dtype: str, prompts: list[list[int]],
+                 max_new_tokens: int) -> tuple[list[list[int]], dict]:
+    """transformers' own generate, greedy, fixed length (EOS not a stop):
+    eager attention (the rounding our bf16 kernels follow), or SDPA
+    (transformers' default, its flash path: memory linear in the prompt)
+    for prompts whose eager scores would not fit (eager_fits). Returns the
+    outputs and how many prompts each implementation served."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    loaded: dict[str, object] = {}
+
+    def hf(impl: str):
+        if impl not in loaded:
+            loaded[impl] = AutoModelForCausalLM.from_pretrained(model, local_files_only=True,
+                                                                dtype=getattr(torch, dtype),
+                                                                attn_implementation=impl).eval()
+        return loaded[impl]
+
     gen = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
-    outs = []
+    itemsize = torch.finfo(getattr(torch, dtype)).bits // 8
+    outs, used = [], {"eager": 0, "sdpa": 0}
+    heads = AutoConfig.from_pretrained(model, local_files_only=True).num_attention_heads
     with torch.no_grad():
         for p in prompts:
+            impl = "eager" if eager_fits(heads, len(p) + max_new_tokens, itemsize, available_memory()) else "sdpa"
+            used[impl] += 1
             ids = torch.tensor([p])
-            outs.append(hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)[0, len(p):].tolist())
-    return outs
+            outs.append(hf(impl).generate(ids, attention_mask=torch.ones_like(ids),
+                                          generation_config=gen)[0, len(p):].tolist())
+    return outs, used
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
@@ -314,7 +358,7 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
     k = 0 if not sampling.greedy else n if parity_sample is None else min(parity_sample, n)
     if k:
         bc.progress(NAME, f"transformers {dtype} generate on {k} prompts (the reference)")
-    ref = hf_reference(model, dtype, prompts[:k], max_new_tokens) if k else []
+    ref, ref_attn = hf_reference(model, dtype, prompts[:k], max_new_tokens) if k else ([], {})
     kv_tok_s = statistics.median(t["tok_s"] for t in kv_times)
     vllm_tok_s = statistics.median(r["tok_s"] for r in vllm_rounds)
     paired = [round(k_["tok_s"] / v["tok_s"], 3) for k_, v in zip(kv_times, vllm_rounds)]
@@ -331,7 +375,9 @@ def compare(model: str, dtype: str, prompts: list[list[int]], max_new_tokens: in
                    "kvpager": kv_times,
                    "vllm": [{"wall_s": round(v["wall_s"], 3), "tok_s": round(v["tok_s"], 1), **v["load"],
                              "settled_s": v["settled_s"]} for v in vllm_rounds]},
-        "parity": ({"reference": f"transformers generate ({dtype}, greedy, eager)",
+        "parity": ({"reference": f"transformers generate ({dtype}, greedy)",
+                    # prompts per attention implementation: eager unless its scores would not fit memory
+                    "reference_attention": ref_attn,
                     "kvpager": agreement(kv_outs[:k], ref), "vllm": agreement(final["outputs"][:k], ref),
                     "kvpager_vs_vllm": agreement(kv_outs, final["outputs"])} if sampling.greedy else
                    {"reference": None, "why": "sampled tokens: each engine draws from its own random stream"}),

@@ -241,14 +241,34 @@ def test_penalties_bytes_do_not_grow_with_the_context():
 
 
 
-def test_the_long_context_bench_model_is_the_30m_one_with_8192_positions(tmp_path):
+@pytest.mark.parametrize("name, positions", [("llama-30m-8k", 8192), ("llama-30m-32k", 32768)])
+def test_the_long_context_bench_models_are_the_30m_one_with_more_positions(tmp_path, name, positions):
     from transformers import AutoConfig
 
     from kvpager_tools.demo_model import build_demo_model
 
-    out = build_demo_model(tmp_path / "m", **bc.BENCH_MODELS["llama-30m-8k"])
+    out = build_demo_model(tmp_path / "m", **bc.BENCH_MODELS[name])
     cfg = AutoConfig.from_pretrained(out, local_files_only=True)
     base = bc.BENCH_MODELS["llama-30m"]
-    assert cfg.max_position_embeddings == 8192
+    assert cfg.max_position_embeddings == positions
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == \
         (base["hidden_size"], base["num_layers"], base["num_kv_heads"])
+
+
+def test_the_reference_takes_sdpa_where_eager_scores_would_not_fit(model, monkeypatch):
+    # compare-vllm's transformers reference: eager attention materialises
+    # [heads, L, L] scores (12.8 GB for one 20,000-token prompt of the 30M
+    # model in fp32: the benchmark was killed); past a share of the
+    # available memory a prompt goes to SDPA, whose greedy fp32 tokens are
+    # eager's here.
+    from kvpager_tools.bench import compare_vllm as cv
+
+    assert cv.eager_fits(8, 1000, 4, 1 << 35) and not cv.eager_fits(8, 20_000, 4, 24 << 30)
+    assert cv.available_memory() > 1 << 20
+    prompts = [[5, 9, 17, 33, 2, 8], [7] * 40]
+    eager, used = cv.hf_reference(model, "float32", prompts, 6)
+    assert used == {"eager": 2, "sdpa": 0}
+    monkeypatch.setattr(cv, "available_memory", lambda: 1 << 10)
+    sdpa, used = cv.hf_reference(model, "float32", prompts, 6)
+    assert used == {"eager": 0, "sdpa": 2}
+    assert sdpa == eager and all(len(o) == 6 for o in sdpa)
