@@ -257,45 +257,76 @@ inline void tile_query_t(TileScratch& sc, int64_t R, int64_t rp) {
     }
 }
 
+// The K rows of one kv head, key after key along a block table, without a
+// division per key (six keys a step straddle blocks). A block's table entry is read when its first
+// key is asked for, never past the context.
+template <typename R, typename T>
+struct KeyCursor {
+  const T* head;  // the kv head's element 0 of pool block 0
+  const int32_t* table;
+  int64_t s0, s1, block_size, b, t;
+  const T* base;  // block b's rows
+  KeyCursor(const T* k, int64_t kvh_offset, const int32_t* tb, int64_t k_s0, int64_t k_s1, int64_t bs, int64_t key)
+      : head(k + kvh_offset), table(tb), s0(k_s0), s1(k_s1), block_size(bs), b(key / bs), t(key % bs),
+        base(head + static_cast<int64_t>(tb[key / bs]) * k_s0) {}
+  const R* row() {
+    if (t == block_size) {
+      t = 0;
+      base = head + static_cast<int64_t>(table[++b]) * s0;
+    }
+    return reinterpret_cast<const R*>(base + (t++) * s1);
+  }
+};
+
+// Scores of NK keys (row pointers) against the tile's rows, NK < 6.
+template <int C, bool R16>
+inline void tile_scores_rest(int nk, const float* qt, int64_t rp, const float* const* krow, float* st, float scale) {
+  constexpr int64_t D = 16 * C;
+  switch (nk) {
+    case 5: return tile_scores_keys<5, R16>(qt, rp, krow, D, st, scale);
+    case 4: return tile_scores_keys<4, R16>(qt, rp, krow, D, st, scale);
+    case 3: return tile_scores_keys<3, R16>(qt, rp, krow, D, st, scale);
+    case 2: return tile_scores_keys<2, R16>(qt, rp, krow, D, st, scale);
+    case 1: return tile_scores_keys<1, R16>(qt, rp, krow, D, st, scale);
+    default: return;
+  }
+}
+
 // Scores of the keys [k0, k1) (k0 a multiple of the block size) against the
-// tile's queries (tile_query_t), st [k1 - k0][rp] from key k0: block by block
-// of the table, six keys a step, fp32 K read in place (bf16: a block
-// converted at a time).
+// tile's queries (tile_query_t), st [k1 - k0][rp] from key k0, six keys a
+// step. fp32 K is read in place, the six rows wherever the table puts them:
+// a 16-key block split 6 + 6 + 4 ran the scores at ~75 % of the FMA rate,
+// six keys across blocks at ~95 % (one thread, rows in L1/L2; docs/kernels.md).
+// bf16: a block converted at a time (a 6 + 6 + 4 split of its rows).
 template <int C, typename T>
 inline void tile_scores_range(const TileJob<T>& jb, TileScratch& sc, int64_t rp, int64_t k0, int64_t k1, float* st) {
   constexpr int64_t D = 16 * C;
   constexpr bool R16 = std::is_same_v<T, c10::BFloat16>;
   const int64_t BS = jb.block_size;
   const float* qt = sc.qt.data();
-  if constexpr (R16)
-    if (static_cast<int64_t>(sc.kf.size()) < BS * D) sc.kf.resize(BS * D);
   const float* krow[6];
-  for (int64_t b = k0 / BS; b * BS < k1; ++b) {
-    const T* kp = jb.k + static_cast<int64_t>(jb.table[b]) * jb.k_s0 + jb.kvh * jb.k_s2;
-    const int64_t n = std::min<int64_t>(BS, k1 - b * BS);
-    const float* kb;
-    int64_t ks;
-    if constexpr (R16) {
-      rows_f32<C>(kp, jb.k_s1, n, sc.kf.data());
-      kb = sc.kf.data(), ks = D;
-    } else {
-      kb = kp, ks = jb.k_s1;
+  if constexpr (!R16) {
+    KeyCursor<float, float> kc(jb.k, jb.kvh * jb.k_s2, jb.table, jb.k_s0, jb.k_s1, BS, k0);
+    int64_t key = k0;
+    for (; key + 6 <= k1; key += 6) {
+      for (int i = 0; i < 6; ++i) krow[i] = kc.row();
+      tile_scores_keys<6, false>(qt, rp, krow, D, st + (key - k0) * rp, jb.scale);
     }
-    float* sb = st + (b * BS - k0) * rp;
-    int64_t t = 0;
-    for (; t + 6 <= n; t += 6) {
-      for (int i = 0; i < 6; ++i) krow[i] = kb + (t + i) * ks;
-      tile_scores_keys<6, R16>(qt, rp, krow, D, sb + t * rp, jb.scale);
-    }
-    for (int i = 0; i < n - t; ++i) krow[i] = kb + (t + i) * ks;
-    float* s = sb + t * rp;
-    switch (n - t) {
-      case 5: tile_scores_keys<5, R16>(qt, rp, krow, D, s, jb.scale); break;
-      case 4: tile_scores_keys<4, R16>(qt, rp, krow, D, s, jb.scale); break;
-      case 3: tile_scores_keys<3, R16>(qt, rp, krow, D, s, jb.scale); break;
-      case 2: tile_scores_keys<2, R16>(qt, rp, krow, D, s, jb.scale); break;
-      case 1: tile_scores_keys<1, R16>(qt, rp, krow, D, s, jb.scale); break;
-      default: break;
+    for (int i = 0; key + i < k1; ++i) krow[i] = kc.row();
+    tile_scores_rest<C, false>(static_cast<int>(k1 - key), qt, rp, krow, st + (key - k0) * rp, jb.scale);
+  } else {
+    if (static_cast<int64_t>(sc.kf.size()) < BS * D) sc.kf.resize(BS * D);
+    for (int64_t b = k0 / BS; b * BS < k1; ++b) {
+      const int64_t n = std::min<int64_t>(BS, k1 - b * BS);
+      rows_f32<C>(jb.k + static_cast<int64_t>(jb.table[b]) * jb.k_s0 + jb.kvh * jb.k_s2, jb.k_s1, n, sc.kf.data());
+      float* sb = st + (b * BS - k0) * rp;
+      int64_t t = 0;
+      for (; t + 6 <= n; t += 6) {
+        for (int i = 0; i < 6; ++i) krow[i] = sc.kf.data() + (t + i) * D;
+        tile_scores_keys<6, true>(qt, rp, krow, D, sb + t * rp, jb.scale);
+      }
+      for (int i = 0; i < n - t; ++i) krow[i] = sc.kf.data() + (t + i) * D;
+      tile_scores_rest<C, true>(static_cast<int>(n - t), qt, rp, krow, sb + t * rp, jb.scale);
     }
   }
 }
