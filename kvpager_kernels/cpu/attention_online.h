@@ -63,26 +63,14 @@ inline int64_t online_tile_tokens(int64_t group) {
 // Block's scores st [n][rp] of keys [k0, k0 + n) turned into exp(s - m'),
 // per row vector: mx (the running maximum), sum (the running sum of exps)
 // and alpha (exp(m - m'), the factor for the value sums so far; 1 where the
-// maximum did not rise) updated. Up to kTileExpVectors vectors share a pass
-// over the keys: their max and sum chains interleave (one vector's chain
-// alone waits on each max's and add's latency).
+// maximum did not rise) updated, up to kTileExpVectors vectors a pass
+// (tile_exps_core).
 inline void online_exps(float* st, int64_t rp, int64_t n, float* mx, float* sum, float* alpha) {
   for (int64_t j0 = 0; j0 < rp / 16; j0 += kTileExpVectors) {
     const int64_t nv = std::min<int64_t>(kTileExpVectors, rp / 16 - j0);
     __m512 m[kTileExpVectors], s[kTileExpVectors];
-    for (int64_t j = 0; j < nv; ++j) {
-      m[j] = _mm512_loadu_ps(mx + 16 * (j0 + j));
-      s[j] = _mm512_setzero_ps();
-    }
-    for (int64_t key = 0; key < n; ++key)
-      for (int64_t j = 0; j < nv; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(st + key * rp + 16 * (j0 + j)));
-    for (int64_t key = 0; key < n; ++key)
-      for (int64_t j = 0; j < nv; ++j) {
-        float* p = st + key * rp + 16 * (j0 + j);
-        const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(p), m[j]));
-        _mm512_storeu_ps(p, e);
-        s[j] = _mm512_add_ps(s[j], e);
-      }
+    for (int64_t j = 0; j < nv; ++j) m[j] = _mm512_loadu_ps(mx + 16 * (j0 + j));
+    tile_exps_core(st, rp, j0, nv, n, m, s);
     for (int64_t j = 0; j < nv; ++j) {
       // m is finite: the first block holds key 0, which every row sees.
       float* mj = mx + 16 * (j0 + j);

@@ -166,26 +166,31 @@ inline void tile_mask(float* st, int64_t rp, const int32_t* pos, int64_t pos0, i
     }
 }
 
-// Softmax of the row vectors [j0, j0 + nv) (nv <= kTileExpVectors) down the
-// L keys: their scores replaced by exp(score - max) in place; inv[j] = 1 /
-// each row's sum of them. The vectors share each pass, so a pass reads a
-// key's line once, not once a vector.
+// The exps of the row vectors [j0, j0 + nv) (nv <= kTileExpVectors) down n
+// keys of st: m[j] (in: a maximum to start from) raised to the keys' max, the
+// scores replaced by exp(score - m) in place, s[j] = each row's sum of them.
+// The vectors share each pass, so a pass reads a key's line once, not once a
+// vector, and their max and sum chains interleave.
 constexpr int64_t kTileExpVectors = 16;
+inline void tile_exps_core(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t n, __m512* m, __m512* s) {
+  for (int64_t j = 0; j < nv; ++j) s[j] = _mm512_setzero_ps();
+  for (int64_t key = 0; key < n; ++key)
+    for (int64_t j = 0; j < nv; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(st + key * rp + 16 * (j0 + j)));
+  for (int64_t key = 0; key < n; ++key)
+    for (int64_t j = 0; j < nv; ++j) {
+      float* p = st + key * rp + 16 * (j0 + j);
+      const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(p), m[j]));
+      _mm512_storeu_ps(p, e);
+      s[j] = _mm512_add_ps(s[j], e);
+    }
+}
+
+// Softmax of the row vectors [j0, j0 + nv) down the L keys: their scores
+// replaced by exp(score - max) in place; inv[j] = 1 / each row's sum of them.
 inline void tile_exps_n(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t L, __m512* inv) {
   __m512 mx[kTileExpVectors], sum[kTileExpVectors];
-  for (int64_t j = 0; j < nv; ++j) {
-    mx[j] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    sum[j] = _mm512_setzero_ps();
-  }
-  for (int64_t key = 0; key < L; ++key)
-    for (int64_t j = 0; j < nv; ++j) mx[j] = _mm512_max_ps(mx[j], _mm512_loadu_ps(st + key * rp + 16 * (j0 + j)));
-  for (int64_t key = 0; key < L; ++key)
-    for (int64_t j = 0; j < nv; ++j) {
-      float* s = st + key * rp + 16 * (j0 + j);
-      const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(s), mx[j]));
-      _mm512_storeu_ps(s, e);
-      sum[j] = _mm512_add_ps(sum[j], e);
-    }
+  for (int64_t j = 0; j < nv; ++j) mx[j] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  tile_exps_core(st, rp, j0, nv, L, mx, sum);
   for (int64_t j = 0; j < nv; ++j) inv[j] = _mm512_div_ps(_mm512_set1_ps(1.f), sum[j]);
 }
 
