@@ -39,8 +39,8 @@ SHORT_QUERY = 16
 TILE_MIN_QUERY = 2
 # fp32 tiles of contexts at least this long walk the context in key blocks
 # with an online softmax (kvpager_kernels/cpu/attention_online.h): their
-# scores stay in L1/L2 and a tile keeps ~128 rows. From 16,384 keys 1.3-2.6x
-# the one-pass tile's speed, level at 8,192, 5-15 % slower at a few hundred
+# scores stay in L1/L2 and a tile keeps ~128 rows. From 16,384 keys 1.35-3.3x
+# the one-pass tile's speed, level at 8,192, 10-25 % slower at 128-256
 # (Zen 5 EPYC, docs/kernels.md). 0: never.
 ONLINE_MIN_KEYS = 8192
 # bf16 tiles run their two products on AMX where the CPU has it and the head

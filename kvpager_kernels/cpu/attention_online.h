@@ -21,12 +21,12 @@
 // a few ulp (tests/kernels/test_kernels_cpu_tiles.py).
 //
 // A tile's rows no longer bound its scores, so it holds about 128 rows at any
-// context (online_tile_tokens): 2,048 x 16,384 with 8 heads over 8 kv heads
+// context (online_tile_tokens): 512 x 16,384 with 8 heads over 8 kv heads
 // took 72.8 ms at 128 tokens a tile against 192.6 at 16. Below
 // online_min_keys (the kernel's argument, cpu_attention.ONLINE_MIN_KEYS:
 // 8,192) the one-pass tile stays: its scores fit L2 there and the
 // online tile's per-block work (a rescale of every row's sums, a maximum and
-// its exp per block) made it 5-15 % slower at 128-400 keys and level at 8,192
+// its exp per block) made it 10-25 % slower at 128-256 keys and level at 8,192
 // (docs/kernels.md).
 //
 // bf16 keeps the one-pass tiles: transformers' eager attention rounds each
