@@ -57,11 +57,17 @@ namespace kvpager {
 constexpr int64_t kTileScoreBytes = 1 << 22;
 constexpr int64_t kTileMaxTokens = 16;
 
+// Rows a tile may hold at small GQA groups: kTileMaxTokens tokens of one
+// query head a kv head are 16 rows, one vector, whose scores load a K
+// element for every multiply-add.
+constexpr int64_t kTileMaxRows = 64;
+
 // Query tokens per tile for a sequence attending `context` keys with
 // `group` query heads per kv head.
 inline int64_t tile_tokens(int64_t group, int64_t context) {
   const int64_t rows = kTileScoreBytes / (4 * std::max<int64_t>(context, 1));
-  return std::clamp<int64_t>(rows / std::max<int64_t>(group, 1), 1, kTileMaxTokens);
+  const int64_t g = std::max<int64_t>(group, 1);
+  return std::clamp<int64_t>(rows / g, 1, std::max(kTileMaxTokens, kTileMaxRows / g));
 }
 
 // Sixteen fp32 rounded to bf16, as fp32: vec.h's one-instruction form where
