@@ -269,24 +269,24 @@ inline void tile_query_t(TileScratch& sc, int64_t R, int64_t rp) {
     }
 }
 
-// The K rows of one kv head, key after key along a block table, without a
-// division per key (six keys a step straddle blocks). A block's table entry is read when its first
-// key is asked for, never past the context.
-template <typename R, typename T>
+// The fp32 K rows of one kv head, key after key along a block table,
+// without a division per key (six keys a step straddle blocks). A block's
+// table entry is read when its first key is asked for, never past the context.
 struct KeyCursor {
-  const T* head;  // the kv head's element 0 of pool block 0
+  const float* head;  // the kv head's element 0 of pool block 0
   const int32_t* table;
   int64_t s0, s1, block_size, b, t;
-  const T* base;  // block b's rows
-  KeyCursor(const T* k, int64_t kvh_offset, const int32_t* tb, int64_t k_s0, int64_t k_s1, int64_t bs, int64_t key)
+  const float* base;  // block b's rows
+  KeyCursor(const float* k, int64_t kvh_offset, const int32_t* tb, int64_t k_s0, int64_t k_s1, int64_t bs,
+            int64_t key)
       : head(k + kvh_offset), table(tb), s0(k_s0), s1(k_s1), block_size(bs), b(key / bs), t(key % bs),
         base(head + static_cast<int64_t>(tb[key / bs]) * k_s0) {}
-  const R* row() {
+  const float* row() {
     if (t == block_size) {
       t = 0;
       base = head + static_cast<int64_t>(table[++b]) * s0;
     }
-    return reinterpret_cast<const R*>(base + (t++) * s1);
+    return base + (t++) * s1;
   }
 };
 
@@ -318,7 +318,7 @@ inline void tile_scores_range(const TileJob<T>& jb, TileScratch& sc, int64_t rp,
   const float* qt = sc.qt.data();
   const float* krow[6];
   if constexpr (!R16) {
-    KeyCursor<float, float> kc(jb.k, jb.kvh * jb.k_s2, jb.table, jb.k_s0, jb.k_s1, BS, k0);
+    KeyCursor kc(jb.k, jb.kvh * jb.k_s2, jb.table, jb.k_s0, jb.k_s1, BS, k0);
     int64_t key = k0;
     for (; key + 6 <= k1; key += 6) {
       for (int i = 0; i < 6; ++i) krow[i] = kc.row();
