@@ -177,7 +177,7 @@ void attend_tile_amx(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
     float* s = st + i;
     _mm512_storeu_ps(s, round_bf16x16(_mm512_mul_ps(round_bf16x16(_mm512_loadu_ps(s)), scale)));
   }
-  tile_mask(st, rp, sc.pos.data(), jb.pos0, L);
+  tile_mask(st, rp, sc.pos.data(), jb.pos0, 0, L);
 
   // Softmax; the probabilities go out as bf16 rows of keys, P [rp][lk]:
   // 16 keys x 16 rows transposed in registers (zeros past the context).
