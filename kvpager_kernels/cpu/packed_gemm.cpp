@@ -74,16 +74,18 @@ bool compiled_bf16() {
 #endif
 }
 
-#if defined(__AVX512F__)
 // Where a tile's fp32 sums go between k-blocks: `part` rows ldp apart.
 // in: the sums of the earlier blocks (null on the first block); out: where
 // this block's sums go unless it is the last (null: the last block, which
-// writes the output row itself).
+// writes the output row itself). Outside the AVX-512 block below: the
+// panel loop names it in every build (an AVX2 build failed on it).
 struct Partial {
   const float* in;
   float* out;
   int64_t ldp;
 };
+
+#if defined(__AVX512F__)
 
 // A tile's accumulators start at the sums of the earlier k-blocks, or at its
 // 64 columns' bias (fp32), or at zero.
