@@ -11,7 +11,10 @@ AMX every prompt up to a few thousand tokens. In the kernel, fp32 and bf16
 chunks of ``TILE_MIN_QUERY`` tokens or more are attended in tiles of up to 16
 tokens x the GQA group (small matrix products over the same block tables);
 fp32 contexts of ``ONLINE_MIN_KEYS`` keys or more in tiles of ~128 rows that
-walk the context in key blocks with an online softmax. Chunks
+walk the context in key blocks with an online softmax; bf16 on AVX512-BF16
+in tiles (~128 rows from 1,024 keys) that go over the context twice in key
+blocks, its scores kept as bf16 (the probabilities are rounded after
+normalising). Chunks
 past the budget keep the reference's path (one sequence's context gathered once, then
 ``scaled_dot_product_attention``'s flash kernel), in the model's dtype rather
 than the reference's fp32 (bf16 SDPA runs on AMX tiles where there are any).
@@ -41,7 +44,8 @@ TILE_MIN_QUERY = 2
 # with an online softmax (kvpager_kernels/cpu/attention_online.h): their
 # scores stay in L1/L2 and a tile keeps ~128 rows. From 16,384 keys 1.35-3.3x
 # the one-pass tile's speed, level at 8,192, 10-25 % slower at 128-256
-# (Zen 5 EPYC, docs/kernels.md). 0: never.
+# (Zen 5 EPYC, docs/kernels.md). 0: never. bf16 tiles on AVX512-BF16
+# (attention_pairs.h) go by key blocks at every length and ignore it.
 ONLINE_MIN_KEYS = 8192
 # bf16 tiles run their two products on AMX where the CPU has it and the head
 # dim is a multiple of 32 (kvpager_kernels/cpu/attention_amx.h); False keeps

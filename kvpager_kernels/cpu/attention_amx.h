@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "attention_pairs.h"
 #include "attention_tiles.h"
 
 namespace kvpager {
@@ -141,7 +142,7 @@ void attend_tile_amx(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
   const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
   const int64_t BS = jb.block_size, lk = (L + 31) / 32 * 32;  // keys padded for the value products
   tile_query_pairs<C>(jb, sc, R, rp, L);
-  tile_value_pairs<C>(jb, sc, L, lk / 2);
+  tile_value_pairs<C>(jb, sc, 0, L, lk / 2);
   if (static_cast<int64_t>(sc.st.size()) < lk * rp) sc.st.resize(lk * rp);
   if (static_cast<int64_t>(sc.pt.size()) < rp * lk) sc.pt.resize(rp * lk);
   if (static_cast<int64_t>(sc.kt.size()) < 16 * D) sc.kt.resize(16 * D);

@@ -25,9 +25,9 @@
 // at a time, V once a tile), rounded where the walk rounds, which is where
 // transformers' eager attention rounds: q.k to bf16, times the scale to bf16,
 // the softmax's probabilities to bf16, the output once. Where the CPU has
-// AVX512-BF16 the scores and value sums run on its pair dot product instead
-// (attend_tile_pairs: operands in bf16, the same rounding points, twice as
-// fast).
+// AVX512-BF16, bf16 tiles run on its pair dot product instead
+// (attention_pairs.h: operands in bf16, the same rounding points), and on
+// AMX where there is one (attention_amx.h).
 //
 // On the 0.5B Llama's shapes (a 4,544-token prefill of 32 prompts, one
 // layer, 2 threads on the AVX-512 EPYC) the attention took 28 ms walked per
@@ -94,9 +94,10 @@ inline void rows_f32(const T* src, int64_t stride, int64_t n, float* dst) {
 struct TileScratch {
   std::vector<float> qt, st;       // QT [D][rp], ST [L][rp]
   std::vector<float> kf, vf, of;   // bf16 only: K of a block [BS][D], V [L][D], out rows [RR][D]
-  std::vector<uint32_t> qp, pp, vp;  // bf16 pairs (AVX512-BF16): Q [D/2][rp], P [L/2][rp], V [L/2][D]
+  std::vector<uint32_t> qp, pp, vp;  // bf16 pairs: Q [D/2][rp], P [keys/2][rp], V [keys/2][D] (a key block's)
   std::vector<uint16_t> kt, pt;      // bf16 on AMX (attention_amx.h): K rows [16][D], P [rp][L]
-  std::vector<float> run;          // online fp32 tiles (attention_online.h): max, sum, alpha [3][rp]
+  std::vector<float> run;          // online fp32 tiles: max, sum, alpha [3][rp]; pair tiles: max, 1/sum [2][rp]
+  std::vector<uint16_t> ss;        // pair tiles (attention_pairs.h): the context's scores as bf16 [L][rp]
   std::vector<int32_t> pos;        // [rp] each row's position (padding: the last row's)
   std::vector<const void*> rows;   // [R] each row's query vector (a const T*)
 };
@@ -446,230 +447,12 @@ inline void tile_softmax(float* st, int64_t rp, int64_t L, float* inv_rows = nul
   }
 }
 
-#if defined(__AVX512BF16__)
-// bf16 tiles on AVX512-BF16's pair dot product (vdpbf16ps: sixteen fp32
-// lanes, each += a[2l] * b[2l] + a[2l+1] * b[2l+1], products exact, sums in
-// fp32): half the instructions of the fp32 tiles above for the scores and the
-// value sums, with the same rounding points (scores, scaled scores and
-// probabilities to bf16, the output once). Only the fp32 summation order
-// differs (pairs of dims or keys), so outputs agree to a few ulp before the
-// output's rounding. The operands stay bf16: K is read from the pool as
-// pairs of dims, Q transposed once into pairs of dims per row, V and the
-// probabilities interleaved into pairs of keys.
-
-inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
-
-// One pair of bf16 read from the pool as 32 bits (memcpy: no aliasing of the bf16 storage).
-inline int32_t load_pair(const uint32_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// Two rows of sixteen bf16 (or one and zeros) as sixteen (a, b) pairs.
-inline __m512i pair16(__m256i a, __m256i b) {
-  return _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-inline __m256i bits16(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
-
-// st[i][16j..] = round(round(K[key_i] . Q[16j..]) * scale) for NK keys and J
-// vectors of rows; qp: [P][rp] pairs of dims, krow[i]: the key's P pairs.
-template <int NK, int J>
-inline void pair_scores(const uint32_t* __restrict qp, int64_t rp, const uint32_t* const* krow, int64_t pairs,
-                        float* __restrict st, float scale) {
-  __m512 acc[NK][J];
-  for (int i = 0; i < NK; ++i)
-    for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512i qv[J];
-    for (int j = 0; j < J; ++j) qv[j] = _mm512_loadu_si512(qp + p * rp + 16 * j);
-    for (int i = 0; i < NK; ++i) {
-      const __m512bh kd = as_bh(_mm512_set1_epi32(load_pair(krow[i] + p)));
-      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], as_bh(qv[j]), kd);
-    }
-  }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int i = 0; i < NK; ++i)
-    for (int j = 0; j < J; ++j)
-      _mm512_storeu_ps(st + i * rp + 16 * j, round_bf16x16(_mm512_mul_ps(round_bf16x16(acc[i][j]), sc)));
-}
-
-template <int NK>
-inline void pair_scores_keys(const uint32_t* qp, int64_t rp, const uint32_t* const* krow, int64_t pairs, float* st,
-                             float scale) {
-  const int64_t nv = rp / 16;
-  int64_t j = 0;
-  for (; j + 4 <= nv; j += 4) pair_scores<NK, 4>(qp + 16 * j, rp, krow, pairs, st + 16 * j, scale);
-  switch (nv - j) {
-    case 3: return pair_scores<NK, 3>(qp + 16 * j, rp, krow, pairs, st + 16 * j, scale);
-    case 2: return pair_scores<NK, 2>(qp + 16 * j, rp, krow, pairs, st + 16 * j, scale);
-    case 1: return pair_scores<NK, 1>(qp + 16 * j, rp, krow, pairs, st + 16 * j, scale);
-    default: return;
-  }
-}
-
-// o[r] = sum over key pairs [0, n_pairs) of P[pair][r0 + r] . V[pair] for RR
-// rows; pp: [L/2][rp] probability pairs, vp: [L/2][D] value pairs.
-template <int C, int RR>
-inline void pair_values(const uint32_t* __restrict vp, const uint32_t* __restrict pp, int64_t rp, int64_t r0,
-                        int64_t n_pairs, float* const* orow) {
-  constexpr int64_t D = 16 * C;
-  __m512 acc[RR][C];
-  for (int r = 0; r < RR; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t m = 0; m < n_pairs; ++m) {
-    __m512i vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_si512(vp + m * D + 16 * c);
-    const uint32_t* p = pp + m * rp + r0;
-    for (int r = 0; r < RR; ++r) {
-      const __m512bh pr = as_bh(_mm512_set1_epi32(static_cast<int>(p[r])));
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], as_bh(vv[c]), pr);
-    }
-  }
-  for (int r = 0; r < RR; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(orow[r] + 16 * c, acc[r][c]);
-}
-
-template <int C, int RR>
-inline void pair_values_rest(int rest, const uint32_t* vp, const uint32_t* pp, int64_t rp, int64_t r0,
-                             int64_t n_pairs, float* const* orow) {
-  if constexpr (RR > 0) {
-    if (rest == RR) return pair_values<C, RR>(vp, pp, rp, r0, n_pairs, orow);
-    return pair_values_rest<C, RR - 1>(rest, vp, pp, rp, r0, n_pairs, orow);
-  }
-}
-
-// V of a tile's context as pairs of keys, vp [LP][D]: pair m holds keys 2m
-// and 2m + 1 (zeros for keys past L; LP may pad past the context).
-template <int C>
-inline void tile_value_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc, int64_t L, int64_t LP) {
-  using T = c10::BFloat16;
-  constexpr int64_t D = 16 * C;
-  if (static_cast<int64_t>(sc.vp.size()) < LP * D) sc.vp.resize(LP * D);
-  const int64_t BS = jb.block_size;
-  auto v_row = [&](int64_t key) -> const T* {
-    if (key >= L) return nullptr;
-    return jb.v + static_cast<int64_t>(jb.table[key / BS]) * jb.v_s0 + (key % BS) * jb.v_s1 + jb.kvh * jb.v_s2;
-  };
-  uint32_t* vp = sc.vp.data();
-  for (int64_t m = 0; m < LP; ++m) {
-    const T* v0 = v_row(2 * m);
-    const T* v1 = v_row(2 * m + 1);
-    for (int c = 0; c < C; ++c) {
-      const __m256i a = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c)) : _mm256_setzero_si256();
-      const __m256i b = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * c)) : _mm256_setzero_si256();
-      _mm512_storeu_si512(vp + m * D + 16 * c, pair16(a, b));
-    }
-  }
-}
-
-// The tile's rows (tile_rows) and their queries as pairs of dims, qp
-// [D/2][rp]: 16 rows x 16 pairs a register transpose; padding rows zero.
-template <int C>
-inline void tile_query_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc, int64_t R, int64_t rp, int64_t L) {
-  using T = c10::BFloat16;
-  constexpr int64_t P = 8 * C;
-  if (static_cast<int64_t>(sc.qp.size()) < P * rp) sc.qp.resize(P * rp);
-  tile_rows(jb, sc, R, rp, L);
-  uint32_t* qp = sc.qp.data();
-  for (int64_t j = 0; j < rp / 16; ++j)
-    for (int64_t p0 = 0; p0 < P; p0 += 16) {
-      const int64_t np = std::min<int64_t>(16, P - p0);
-      const __mmask16 m = static_cast<__mmask16>((1u << np) - 1);
-      __m512 blk[16];
-      for (int i = 0; i < 16; ++i) {
-        const int64_t r = 16 * j + i;
-        blk[i] = r < R ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(
-                             m, static_cast<const T*>(sc.rows[r]) + 2 * p0))
-                       : _mm512_setzero_ps();
-      }
-      transpose16(blk);
-      for (int i = 0; i < np; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(qp + (p0 + i) * rp + 16 * j), blk[i]);
-    }
-}
-
-// One bf16 tile (attend_tile's arithmetic, rounding and masking) in pairs.
-template <int C>
-void attend_tile_pairs(const TileJob<c10::BFloat16>& jb, TileScratch& sc) {
-  using T = c10::BFloat16;
-  constexpr int64_t D = 16 * C, P = D / 2;
-  const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
-  const int64_t BS = jb.block_size, LP = (L + 1) / 2;
-  if (static_cast<int64_t>(sc.st.size()) < L * rp) sc.st.resize(L * rp);
-  if (static_cast<int64_t>(sc.pp.size()) < LP * rp) sc.pp.resize(LP * rp);
-  tile_value_pairs<C>(jb, sc, L, LP);
-  tile_query_pairs<C>(jb, sc, R, rp, L);
-  const uint32_t* vp = sc.vp.data();
-  const uint32_t* qp = sc.qp.data();
-
-  // Scores, block by block of the table, six keys a step, K read in place.
-  float* st = sc.st.data();
-  const uint32_t* krow[6];
-  for (int64_t b = 0; b * BS < L; ++b) {
-    const T* kp = jb.k + static_cast<int64_t>(jb.table[b]) * jb.k_s0 + jb.kvh * jb.k_s2;
-    const int64_t n = std::min<int64_t>(BS, L - b * BS);
-    auto kr = [&](int64_t t) { return reinterpret_cast<const uint32_t*>(kp + t * jb.k_s1); };
-    int64_t t = 0;
-    for (; t + 6 <= n; t += 6) {
-      for (int i = 0; i < 6; ++i) krow[i] = kr(t + i);
-      pair_scores_keys<6>(qp, rp, krow, P, st + (b * BS + t) * rp, jb.scale);
-    }
-    for (int i = 0; i < n - t; ++i) krow[i] = kr(t + i);
-    float* s = st + (b * BS + t) * rp;
-    switch (n - t) {
-      case 5: pair_scores_keys<5>(qp, rp, krow, P, s, jb.scale); break;
-      case 4: pair_scores_keys<4>(qp, rp, krow, P, s, jb.scale); break;
-      case 3: pair_scores_keys<3>(qp, rp, krow, P, s, jb.scale); break;
-      case 2: pair_scores_keys<2>(qp, rp, krow, P, s, jb.scale); break;
-      case 1: pair_scores_keys<1>(qp, rp, krow, P, s, jb.scale); break;
-      default: break;
-    }
-  }
-
-  // Causal mask and softmax as attend_tile's; the probabilities go out as
-  // bf16 pairs of keys (a zero probability past an odd context's end).
-  tile_mask(st, rp, sc.pos.data(), jb.pos0, 0, L);
-  uint32_t* pp = sc.pp.data();
-  for (int64_t j = 0; j < rp / 16; ++j) {
-    const __m512 inv = tile_exps(st, rp, j, L);
-    for (int64_t m = 0; m < LP; ++m) {
-      const __m256i a = bits16(_mm512_mul_ps(_mm512_loadu_ps(st + 2 * m * rp + 16 * j), inv));
-      const __m256i b = 2 * m + 1 < L ? bits16(_mm512_mul_ps(_mm512_loadu_ps(st + (2 * m + 1) * rp + 16 * j), inv))
-                                      : _mm256_setzero_si256();
-      _mm512_storeu_si512(pp + m * rp + 16 * j, pair16(a, b));
-    }
-  }
-
-  // Values, RR rows a step; a step reads the key pairs up to its last row's
-  // position (a later key in the last pair has probability 0 for those rows).
-  constexpr int RR = tile_value_rows<C>();
-  float* orow[RR];
-  T* dst[RR];
-  sc.of.resize(RR * D);
-  for (int64_t r0 = 0; r0 < R; r0 += RR) {
-    const int rr = static_cast<int>(std::min<int64_t>(RR, R - r0));
-    for (int i = 0; i < rr; ++i) {
-      const int64_t r = r0 + i;
-      dst[i] = jb.out + (jb.q0 + r / G) * jb.o_s0 + (jb.kvh * G + r % G) * jb.o_s1;
-      orow[i] = sc.of.data() + i * D;
-    }
-    const int64_t n_keys = jb.pos0 + (r0 + rr - 1) / G + 1;
-    pair_values_rest<C, RR>(rr, vp, pp, rp, r0, (n_keys + 1) / 2, orow);
-    for (int i = 0; i < rr; ++i)  // the output rounded once (c10: to nearest even)
-      for (int64_t e = 0; e < D; ++e) dst[i][e] = static_cast<T>(orow[i][e]);
-  }
-}
-#endif
-
 // One tile, D = 16 * C. Row r is token r / group, query head kvh * group + r % group.
 template <int C, typename T>
 void attend_tile(const TileJob<T>& jb, TileScratch& sc) {
   constexpr int64_t D = 16 * C;
   constexpr bool R16 = std::is_same_v<T, c10::BFloat16>;
   static_assert(R16 || std::is_same_v<T, float>, "tiles: fp32 or bf16");
-#if defined(__AVX512BF16__)
-  if constexpr (R16) return attend_tile_pairs<C>(jb, sc);
-#endif
   const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
   if (static_cast<int64_t>(sc.st.size()) < L * rp) sc.st.resize(L * rp);
   tile_rows(jb, sc, R, rp, L);

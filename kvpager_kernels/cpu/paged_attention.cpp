@@ -27,6 +27,7 @@
 
 #include "attention_amx.h"
 #include "attention_online.h"
+#include "attention_pairs.h"
 #include "attention_tiles.h"
 #include "vec.h"
 
@@ -702,9 +703,21 @@ void run(const Shape& sh, const at::Tensor& out, const at::Tensor& q, const at::
 }
 
 #if defined(__AVX512F__)
+// Whether bf16 tiles of this head dim run on AMX: built for it, asked for
+// (amx), granted by the kernel, D a multiple of 32.
+bool amx_takes(bool amx, int64_t head_dim) {
+#if defined(KVPAGER_AMX_TILES)
+  return amx && head_dim % 32 == 0 && kvpager::amx_usable();
+#else
+  (void)amx;
+  (void)head_dim;
+  return false;
+#endif
+}
+
 // The tiles of fp32 and bf16 prefill chunks (attention_tiles.h; fp32 of long
-// contexts attention_online.h), handed out
-// one at a time, last first (a sequence's later tokens attend more keys).
+// contexts attention_online.h; bf16 on AVX512-BF16 attention_pairs.h), handed
+// out one at a time, last first (a sequence's later tokens attend more keys).
 // amx: bf16 tiles of a head dim that is a multiple of 32 on the matrix unit
 // (attention_amx.h), where it is built and the kernel grants it.
 template <int C, typename T>
@@ -713,7 +726,7 @@ void run_tiles(const std::vector<kvpager::TileJob<T>>& jobs, bool amx) {
   const int64_t n = static_cast<int64_t>(jobs.size());
 #if defined(KVPAGER_AMX_TILES)
   if constexpr (std::is_same_v<T, c10::BFloat16> && C % 2 == 0) {
-    if (amx && kvpager::amx_usable()) {
+    if (amx_takes(amx, 16 * C)) {
       at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
         kvpager::TileScratch scratch;
         kvpager::amx_begin();
@@ -732,11 +745,18 @@ void run_tiles(const std::vector<kvpager::TileJob<T>>& jobs, bool amx) {
     for (int64_t taken = next.fetch_add(1, std::memory_order_relaxed); taken < n;
          taken = next.fetch_add(1, std::memory_order_relaxed)) {
       const kvpager::TileJob<T>& jb = jobs[n - 1 - taken];
-      if constexpr (std::is_same_v<T, float>)
+      if constexpr (std::is_same_v<T, float>) {
         if (jb.online) {
           kvpager::attend_tile_online<C>(jb, scratch);
           continue;
         }
+      }
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        kvpager::attend_tile_pairs<C>(jb, scratch);
+        continue;
+      }
+#endif
       kvpager::attend_tile<C, T>(jb, scratch);
     }
   });
@@ -750,6 +770,19 @@ bool tiles_take(const Shape& sh, at::ScalarType dtype, int64_t q_len, int64_t ti
   return tile_min_query > 0 && q_len >= tile_min_query && (dtype == at::kFloat || dtype == at::kBFloat16) &&
          sh.window == 0 &&
          sh.softcap == 0.f && (d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256);
+}
+
+// Whether bf16 tiles of this head dim run on AVX512-BF16's pair dot product
+// (attention_pairs.h): built for it, and AMX does not take them.
+bool pairs_take(at::ScalarType dtype, bool amx_tiles, int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  return dtype == at::kBFloat16 && !amx_takes(amx_tiles, head_dim);
+#else
+  (void)dtype;
+  (void)amx_tiles;
+  (void)head_dim;
+  return false;
+#endif
 }
 
 template <typename T>
@@ -856,7 +889,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 #if defined(__AVX512F__)
     if (tiles_take(sh, q.scalar_type(), q_len, tile_min_query)) {
       const bool online = q.scalar_type() == at::kFloat && online_min_keys > 0 && lens[s] >= online_min_keys;
-      const int64_t per = online ? kvpager::online_tile_tokens(sh.group) : kvpager::tile_tokens(sh.group, lens[s]);
+      int64_t per = online ? kvpager::online_tile_tokens(sh.group) : kvpager::tile_tokens(sh.group, lens[s]);
+#if defined(__AVX512BF16__)
+      if (pairs_take(q.scalar_type(), amx_tiles, sh.head_dim)) per = kvpager::pair_tile_tokens(sh.group, lens[s]);
+#endif
       auto add = [&](auto& to, auto* elem) {
         using T = std::remove_pointer_t<decltype(elem)>;
         for (int64_t j = 0; j < q_len; j += per)

@@ -87,6 +87,27 @@ inline __m512 vexp16_fma(__m512 in) {
   return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q), in);
 }
 
+// vexp16_fma for inputs <= 0 (a score minus its row's maximum; -inf for a
+// masked key): the same bits there, without the clamp and the result fixes
+// that only inputs above 88 need (16 operations). A NaN input stays NaN
+// (max returns its second operand when either is NaN).
+inline __m512 vexp16_fma_nonpos(__m512 in) {
+  const __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.0f), in);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, f), f, f), _mm512_set1_ps(1.0f));
+  const __m512 r = _mm512_scalef_ps(y, n);
+  return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
 // Sixteen bf16 (raw bits) widened to fp32, and fp32 rounded to bf16 exactly
 // as c10::BFloat16 rounds (to nearest even; NaN -> 0x7fc0; subnormals kept,
 // unlike the AVX512-BF16 conversion instruction, which flushes them).
