@@ -187,7 +187,7 @@ inline void tile_exps_core(float* st, int64_t rp, int64_t j0, int64_t nv, int64_
   for (int64_t key = 0; key < n; ++key)
     for (int64_t j = 0; j < nv; ++j) {
       float* p = st + key * rp + 16 * (j0 + j);
-      const __m512 e = vexp16_fma(_mm512_sub_ps(_mm512_loadu_ps(p), m[j]));
+      const __m512 e = vexp16_fma_nonpos(_mm512_sub_ps(_mm512_loadu_ps(p), m[j]));  // <= 0: m is their max
       _mm512_storeu_ps(p, e);
       s[j] = _mm512_add_ps(s[j], e);
     }
