@@ -24,9 +24,9 @@
 // 65,536 keys (kPairScoreBytes), where the one-pass tile this replaced held
 // its context's fp32 scores and probabilities and shrank to stay within 4
 // MiB: 16 tokens up to 16,384 keys at 4 heads a kv head, 13 at 20,000.
-// Against it (whole calls, Zen 5 EPYC, 2 threads; docs/kernels.md): 0.73-0.84
-// of its time at 1,904 x 6,000, 0.47-0.55 at 512 x 16,384, 0.33-0.40 at
-// 2,048 x 32,768; level to 8 % slower up to 512 x 512, where both fit L2 and
+// Against it (whole calls, Zen 5 EPYC, 2 threads; docs/kernels.md): 0.67-0.86
+// of its time at 1,904 x 6,000, 0.47-0.60 at 512 x 16,384, 0.33-0.37 at
+// 2,048 x 32,768; level to 13 % slower up to 512 x 512, where both fit L2 and
 // this one computes each exp twice.
 #pragma once
 
