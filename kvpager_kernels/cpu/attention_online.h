@@ -71,16 +71,8 @@ inline void online_exps(float* st, int64_t rp, int64_t n, float* mx, float* sum,
     __m512 m[kTileExpVectors], s[kTileExpVectors];
     for (int64_t j = 0; j < nv; ++j) m[j] = _mm512_loadu_ps(mx + 16 * (j0 + j));
     tile_exps_core(st, rp, j0, nv, n, m, s);
-    for (int64_t j = 0; j < nv; ++j) {
-      // m is finite: the first block holds key 0, which every row sees.
-      float* mj = mx + 16 * (j0 + j);
-      const __m512 m_old = _mm512_loadu_ps(mj);
-      const __mmask16 rose = _mm512_cmp_ps_mask(m[j], m_old, _CMP_GT_OQ);
-      const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), rose, vexp16_fma(_mm512_sub_ps(m_old, m[j])));
-      _mm512_storeu_ps(mj, m[j]);
-      _mm512_storeu_ps(sum + 16 * (j0 + j), _mm512_fmadd_ps(_mm512_loadu_ps(sum + 16 * (j0 + j)), a, s[j]));
-      _mm512_storeu_ps(alpha + 16 * (j0 + j), a);
-    }
+    for (int64_t j = 0; j < nv; ++j)
+      _mm512_storeu_ps(alpha + 16 * (j0 + j), online_step(mx + 16 * (j0 + j), sum + 16 * (j0 + j), m[j], s[j]));
   }
 }
 

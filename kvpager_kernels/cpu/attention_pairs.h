@@ -213,15 +213,7 @@ inline void pair_sums(const uint16_t* ss, int64_t rp, int64_t k0, int64_t k1, fl
         const __m512 x = _mm512_sub_ps(load_s16(ss + key * rp + 16 * (j0 + j)), m[j]);
         s[j] = _mm512_add_ps(s[j], vexp16_fma_nonpos(x));
       }
-    for (int64_t j = 0; j < nv; ++j) {
-      // m is finite: the first block holds key 0, which every row sees.
-      float* mj = mx + 16 * (j0 + j);
-      const __m512 m_old = _mm512_loadu_ps(mj);
-      const __mmask16 rose = _mm512_cmp_ps_mask(m[j], m_old, _CMP_GT_OQ);
-      const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), rose, vexp16_fma(_mm512_sub_ps(m_old, m[j])));
-      _mm512_storeu_ps(mj, m[j]);
-      _mm512_storeu_ps(sum + 16 * (j0 + j), _mm512_fmadd_ps(_mm512_loadu_ps(sum + 16 * (j0 + j)), a, s[j]));
-    }
+    for (int64_t j = 0; j < nv; ++j) online_step(mx + 16 * (j0 + j), sum + 16 * (j0 + j), m[j], s[j]);
   }
 }
 

@@ -193,6 +193,20 @@ inline void tile_exps_core(float* st, int64_t rp, int64_t j0, int64_t nv, int64_
     }
 }
 
+// An online softmax's step for sixteen rows (the online and pair tiles):
+// their running maximum at *mj raised to m (finite: a tile's first key block
+// holds key 0, which every row sees), their running sum at *sj scaled by
+// exp(m_old - m) (exactly 1 where the maximum did not rise) plus s, the
+// block's sum of exps against m; returns that factor.
+inline __m512 online_step(float* mj, float* sj, __m512 m, __m512 s) {
+  const __m512 m_old = _mm512_loadu_ps(mj);
+  const __mmask16 rose = _mm512_cmp_ps_mask(m, m_old, _CMP_GT_OQ);
+  const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), rose, vexp16_fma(_mm512_sub_ps(m_old, m)));
+  _mm512_storeu_ps(mj, m);
+  _mm512_storeu_ps(sj, _mm512_fmadd_ps(_mm512_loadu_ps(sj), a, s));
+  return a;
+}
+
 // Softmax of the row vectors [j0, j0 + nv) down the L keys: their scores
 // replaced by exp(score - max) in place; inv[j] = 1 / each row's sum of them.
 inline void tile_exps_n(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t L, __m512* inv) {

@@ -62,14 +62,9 @@ inline __m512 vexp16(__m512 in) {
   return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q), in);
 }
 
-// vexp16 with its multiply-adds fused and 2^n applied by scalef: 21
-// operations where vexp16 takes 33, the same reduction, polynomial and
-// special values; results within an ulp or two of vexp16's (fused roundings).
-// For the prefill tiles' softmax (the exps were a third of a tile) and
-// silu_mul's vector loops (half of a call); the per-token walk keeps vexp16
-// (bit-identical to the scalar vexp).
-inline __m512 vexp16_fma(__m512 in) {
-  const __m512 x = _mm512_min_ps(_mm512_max_ps(in, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+// exp of x already clamped to [-87, 88]: vexp16's reduction and polynomial
+// with its multiply-adds fused and 2^n applied by scalef.
+inline __m512 vexp16_fma_clamped(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
@@ -81,7 +76,18 @@ inline __m512 vexp16_fma(__m512 in) {
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.6666665459e-1f));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.0000001201e-1f));
   y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, f), f, f), _mm512_set1_ps(1.0f));
-  __m512 r = _mm512_scalef_ps(y, n);
+  return _mm512_scalef_ps(y, n);
+}
+
+// vexp16 with its multiply-adds fused and 2^n applied by scalef: 21
+// operations where vexp16 takes 33, the same reduction, polynomial and
+// special values; results within an ulp or two of vexp16's (fused roundings).
+// For the prefill tiles' softmax (the exps were a third of a tile) and
+// silu_mul's vector loops (half of a call); the per-token walk keeps vexp16
+// (bit-identical to the scalar vexp).
+inline __m512 vexp16_fma(__m512 in) {
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(in, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  __m512 r = vexp16_fma_clamped(x);
   r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, _mm512_set1_ps(88.0f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
   r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
   return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q), in);
@@ -92,19 +98,7 @@ inline __m512 vexp16_fma(__m512 in) {
 // that only inputs above 88 need (16 operations). A NaN input stays NaN
 // (max returns its second operand when either is NaN).
 inline __m512 vexp16_fma_nonpos(__m512 in) {
-  const __m512 x = _mm512_max_ps(_mm512_set1_ps(-87.0f), in);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, f), f, f), _mm512_set1_ps(1.0f));
-  const __m512 r = _mm512_scalef_ps(y, n);
+  const __m512 r = vexp16_fma_clamped(_mm512_max_ps(_mm512_set1_ps(-87.0f), in));
   return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
 }
 
