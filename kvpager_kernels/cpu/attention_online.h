@@ -29,9 +29,10 @@
 // its exp per block) made it 10-25 % slower at 128-256 keys and level at 8,192
 // (docs/kernels.md).
 //
-// bf16 keeps the one-pass tiles: transformers' eager attention rounds each
+// bf16 takes no online softmax: transformers' eager attention rounds each
 // probability (normalised) to bf16, and an online softmax has no sum to
-// normalise by until the last block.
+// normalise by until the last block. Its pair tiles (attention_pairs.h) go
+// over the context twice in key blocks instead.
 #pragma once
 
 #if defined(__AVX512F__)

@@ -14,7 +14,8 @@
 // tile_min_query tokens) go to attention_tiles.h instead: up to 16 tokens x
 // the group at once, as small matrix products, rounded at the same points
 // (fp32 contexts of online_min_keys or more: attention_online.h, in key
-// blocks with an online softmax); decodes (and fp16) are walked here.
+// blocks with an online softmax; bf16 on AVX512-BF16: attention_pairs.h, in
+// key blocks twice, the scores kept as bf16); decodes (and fp16) are walked here.
 //
 // Registered as torch.ops.kvpager_cpu.paged_attention (see kvpager_kernels/cpu_attention.py,
 // which decides which sequences come here; kvpager_kernels/reference.py is the reference).
