@@ -10,7 +10,7 @@ fixed cost is a gather, a mask and a dispatch per layer): on a CPU without
 AMX every prompt up to a few thousand tokens. In the kernel, fp32 and bf16
 chunks of ``TILE_MIN_QUERY`` tokens or more are attended in tiles of up to 16
 tokens x the GQA group (small matrix products over the same block tables);
-fp32 contexts of ``ONLINE_MIN_KEYS`` keys or more in tiles of ~128 rows that
+fp32 contexts of ``ONLINE_MIN_KEYS`` keys or more in tiles of ~512 rows that
 walk the context in key blocks with an online softmax; bf16 on AVX512-BF16
 in tiles (~128 rows from 1,024 keys) that go over the context twice in key
 blocks, its scores kept as bf16 (the probabilities are rounded after
@@ -42,7 +42,7 @@ SHORT_QUERY = 16
 TILE_MIN_QUERY = 2
 # fp32 tiles of contexts at least this long walk the context in key blocks
 # with an online softmax (kvpager_kernels/cpu/attention_online.h): their
-# scores stay in L1/L2 and a tile keeps ~128 rows. From 16,384 keys 1.35-3.3x
+# scores stay in L2 and a tile keeps ~512 rows. From 16,384 keys 1.35-3.3x
 # the one-pass tile's speed, level at 8,192, 10-25 % slower at 128-256
 # (Zen 5 EPYC, docs/kernels.md). 0: never. bf16 tiles on AVX512-BF16
 # (attention_pairs.h) go by key blocks at every length and ignore it.

@@ -20,9 +20,10 @@
 // probability: outputs agree with the one-pass tile and the per-token walk to
 // a few ulp (tests/kernels/test_kernels_cpu_tiles.py).
 //
-// A tile's rows no longer bound its scores, so it holds about 128 rows at any
+// A tile's rows no longer bound its scores, so it holds about 512 rows at any
 // context (online_tile_tokens): 512 x 16,384 with 8 heads over 8 kv heads
-// took 72.8 ms at 128 tokens a tile against 192.6 at 16. Below
+// took 72.8 ms at 128 tokens a tile against 192.6 at 16, and ~512 rows took
+// three quarters of ~128's time at 20,000 keys. Below
 // online_min_keys (the kernel's argument, cpu_attention.ONLINE_MIN_KEYS:
 // 8,192) the one-pass tile stays: its scores fit L2 there and the
 // online tile's per-block work (a rescale of every row's sums, a maximum and
@@ -49,16 +50,21 @@
 namespace kvpager {
 
 // Keys a block (rounded down to a multiple of the pool's block size, at
-// least one block): 128 x 64 rows of scores is 32 KiB. 64 to 256 ran within
-// a few % of each other; 16 and 32 were 10-30 % slower (each block rescales
-// every row's sums).
-constexpr int64_t kOnlineKeys = 128;
+// least one block): 256 keys x 512 rows of scores is 512 KiB, in a core's
+// L2 with the tile's QT (128 KiB) and the block's K/V rows. At ~128 rows 64
+// to 256 ran within a few % of each other and 16 and 32 were 10-30 %
+// slower (each block rescales every row's sums); at 512 rows 256 keys took
+// 0.95-0.97 of 128's time (docs/kernels.md).
+constexpr int64_t kOnlineKeys = 256;
 
-// Query tokens per online tile: about 128 rows (tokens x the GQA group), 16
-// to 128 tokens. A K/V row loaded serves every row of the tile, and without
-// the GQA group's heads a 16-token tile was 16 rows.
+// Query tokens per online tile: about kOnlineRows rows (tokens x the GQA
+// group), 16 to 512 tokens. The tile reads the whole context's K/V once, so
+// its rows are how often a K/V row loaded from L3 is used: 2,048 x 20,000
+// (8 and 14 query heads over 2, 8 over 8) took 0.72-0.76 of the time at
+// ~512 rows that it took at ~128 (0.81-0.83 at 256; 1,024 level with 512).
+constexpr int64_t kOnlineRows = 512;
 inline int64_t online_tile_tokens(int64_t group) {
-  return std::clamp<int64_t>(128 / std::max<int64_t>(group, 1), kTileMaxTokens, 128);
+  return std::clamp<int64_t>(kOnlineRows / std::max<int64_t>(group, 1), kTileMaxTokens, kOnlineRows);
 }
 
 // Block's scores st [n][rp] of keys [k0, k0 + n) turned into exp(s - m'),

@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -91,13 +92,29 @@ inline void rows_f32(const T* src, int64_t stride, int64_t n, float* dst) {
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(dst + t * 16 * C + 16 * c, load16(src + t * stride + 16 * c));
 }
 
+// Scratch rows start on a cache line: a row of 16 floats is then one line,
+// where malloc's 16-byte alignment split every vector load across two.
+template <typename T>
+struct LineAlloc {
+  using value_type = T;
+  LineAlloc() = default;
+  template <typename U>
+  LineAlloc(const LineAlloc<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAlloc<U>&) const { return true; }
+};
+template <typename T>
+using LineVec = std::vector<T, LineAlloc<T>>;
+
 struct TileScratch {
-  std::vector<float> qt, st;       // QT [D][rp], ST [L][rp]
-  std::vector<float> kf, vf, of;   // bf16 only: K of a block [BS][D], V [L][D], out rows [RR][D]
-  std::vector<uint32_t> qp, pp, vp;  // bf16 pairs: Q [D/2][rp], P [keys/2][rp], V [keys/2][D] (a key block's)
-  std::vector<uint16_t> kt, pt;      // bf16 on AMX (attention_amx.h): K rows [16][D], P [rp][L]
-  std::vector<float> run;          // online fp32 tiles: max, sum, alpha [3][rp]; pair tiles: max, 1/sum [2][rp]
-  std::vector<uint16_t> ss;        // pair tiles (attention_pairs.h): the context's scores as bf16 [L][rp]
+  LineVec<float> qt, st;       // QT [D][rp], ST [L][rp]
+  LineVec<float> kf, vf, of;   // bf16 only: K of a block [BS][D], V [L][D], out rows [RR][D]
+  LineVec<uint32_t> qp, pp, vp;  // bf16 pairs: Q [D/2][rp], P [keys/2][rp], V [keys/2][D] (a key block's)
+  LineVec<uint16_t> kt, pt;      // bf16 on AMX (attention_amx.h): K rows [16][D], P [rp][L]
+  LineVec<float> run;          // online fp32 tiles: max, sum, alpha [3][rp]; pair tiles: max, 1/sum [2][rp]
+  LineVec<uint16_t> ss;        // pair tiles (attention_pairs.h): the context's scores as bf16 [L][rp]
   std::vector<int32_t> pos;        // [rp] each row's position (padding: the last row's)
   std::vector<const void*> rows;   // [R] each row's query vector (a const T*)
 };

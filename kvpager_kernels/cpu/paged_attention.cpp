@@ -891,6 +891,15 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     if (tiles_take(sh, q.scalar_type(), q_len, tile_min_query)) {
       const bool online = q.scalar_type() == at::kFloat && online_min_keys > 0 && lens[s] >= online_min_keys;
       int64_t per = online ? kvpager::online_tile_tokens(sh.group) : kvpager::tile_tokens(sh.group, lens[s]);
+      if (online) {
+        // Tiles of equal size, and at least two a thread where the chunk
+        // has 16 tokens a tile for them: a 128-token chunk over one kv head
+        // is otherwise one tile for one thread.
+        const int64_t want = (2 * at::get_num_threads() + sh.num_kv_heads - 1) / sh.num_kv_heads;
+        const int64_t n = std::min(std::max((q_len + per - 1) / per, want),
+                                   std::max<int64_t>(1, q_len / kvpager::kTileMaxTokens));
+        per = (q_len + n - 1) / n;
+      }
 #if defined(__AVX512BF16__)
       if (pairs_take(q.scalar_type(), amx_tiles, sh.head_dim)) per = kvpager::pair_tile_tokens(sh.group, lens[s]);
 #endif

@@ -92,12 +92,13 @@ def _online(batch, monkeypatch, min_keys, **kw):
 @pytest.mark.parametrize("block_size", [5, 16])
 def test_online_tiles_match_the_walk_and_the_reference(monkeypatch, group, head_dim, block_size):
     """fp32 tiles in key blocks with an online softmax (attention_online.h),
-    brought down to short contexts: 600 keys are five key blocks of 128 (of
-    125 at block size 5, the last one partial), the rows' causal ends falling
-    in the third to fifth; 300 queries at group 1 are tiles of 128 tokens (two
-    full, one ragged), at group 7 of 18 (126 rows and 2 of padding in 8
-    vectors); a cached prefix, a chunk whose every key is in the first block,
-    and a decode that stays walked."""
+    brought down to short contexts: 600 keys are three key blocks of 256 (of
+    255 at block size 5, the last one partial), the rows' causal ends falling
+    in the second and third; 300 queries are tiles of equal size: at group 4
+    three of 100 tokens (400 rows), at group 7 five of 60 (420 rows and 12 of
+    padding), at group 1 one for each thread over the two kv heads (a single
+    300-token tile a head would leave the other threads idle); a cached prefix, a chunk whose every key is in the
+    first block, and a decode that stays walked."""
     batch = make_paged_batch([600, 70, 9, 64], [300, 33, 9, 1], num_heads=2 * group, num_kv_heads=2,
                              head_dim=head_dim, block_size=block_size)
     online = _online(batch, monkeypatch, 1)
