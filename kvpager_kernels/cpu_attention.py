@@ -65,12 +65,13 @@ AMX_TILES = True
 # from 2,048 x 32,768 at 4 and 7 heads a kv head on a Zen 5 EPYC, since its
 # tiles go by key blocks) and in fp32 up to 2,048 x 8,192 and
 # 512 x 32,768 (0.34-0.63 there; level at 2,048 x 2,048 on a Zen 4 EPYC);
-# with the online tiles past ONLINE_MIN_KEYS, fp32 up to 4,096 x 16,384 and
-# 2,048 x 32,768 (0.40-0.57 of SDPA's time at 2, 4 and 7 heads a kv head, Zen 5);
+# with the online tiles past ONLINE_MIN_KEYS, fp32 up to 4,096 x 65,536
+# (0.36-0.42 of SDPA's time from 4,096 x 32,768 at 4 and 7 heads a kv head,
+# Zen 5, with ~512-row online tiles);
 # elsewhere the budgets the fp32 kernel measured before the pair kernel.
 IN_PLACE_PAIRS = {
     "amx": {torch.float32: 65536, torch.bfloat16: 65536, torch.float16: 65536},
-    "avx512_bf16": {torch.float32: 1 << 26, torch.bfloat16: 1 << 28, torch.float16: 1 << 22},
+    "avx512_bf16": {torch.float32: 1 << 28, torch.bfloat16: 1 << 28, torch.float16: 1 << 22},
     "other": {torch.float32: 1 << 20, torch.bfloat16: 1 << 22, torch.float16: 1 << 22},
 }
 

@@ -129,12 +129,11 @@ def test_plan_splits_chunks_by_work_and_dtype(monkeypatch):
         assert split(torch.bfloat16) == split(torch.float32) == ([0, 1, 2, 3], [])
         assert split(None) == ([0], [5, 45, 295])
     # Every chunk of a 2,048-token step of a 2,048-token prompt; with the pair
-    # dot product a 4,096-token chunk 65,536 tokens into its context in bf16
-    # (the pair tiles in key blocks), a 2,048-token one 32,768 in fp32 (the
-    # online tiles).
+    # dot product a 4,096-token chunk 65,536 tokens into its context, in bf16
+    # (the pair tiles in key blocks) and in fp32 (the online tiles).
     assert cpu_attention.in_place_pairs(torch.float32, "other") < 2048 * 2048 <= \
         cpu_attention.in_place_pairs(torch.bfloat16, "other")
-    assert cpu_attention.in_place_pairs(torch.float32, "avx512_bf16") >= 2048 * 32768
+    assert cpu_attention.in_place_pairs(torch.float32, "avx512_bf16") >= 4096 * 65536
     assert cpu_attention.in_place_pairs(torch.bfloat16, "avx512_bf16") >= 4096 * 65536
 
 
