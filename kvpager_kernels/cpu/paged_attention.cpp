@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <numeric>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -899,6 +900,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
         const int64_t n = std::min(std::max((q_len + per - 1) / per, want),
                                    std::max<int64_t>(1, q_len / kvpager::kTileMaxTokens));
         per = (q_len + n - 1) / n;
+        // ... of whole row vectors where the chunk allows: at 7 heads a kv
+        // head 71 tokens are 497 rows in 512, 80 tokens 560 in 560.
+        const int64_t unit = 16 / std::gcd<int64_t>(sh.group, 16);
+        per = std::min(q_len, (per + unit - 1) / unit * unit);
       }
 #if defined(__AVX512BF16__)
       if (pairs_take(q.scalar_type(), amx_tiles, sh.head_dim)) per = kvpager::pair_tile_tokens(sh.group, lens[s]);

@@ -94,10 +94,11 @@ def test_online_tiles_match_the_walk_and_the_reference(monkeypatch, group, head_
     """fp32 tiles in key blocks with an online softmax (attention_online.h),
     brought down to short contexts: 600 keys are three key blocks of 256 (of
     255 at block size 5, the last one partial), the rows' causal ends falling
-    in the second and third; 300 queries are tiles of equal size: at group 4
-    three of 100 tokens (400 rows), at group 7 five of 60 (420 rows and 12 of
-    padding), at group 1 one for each thread over the two kv heads (a single
-    300-token tile a head would leave the other threads idle); a cached prefix, a chunk whose every key is in the
+    in the second and third; 300 queries are tiles of about equal size in
+    whole row vectors: at group 4 three of 100 tokens (400 rows), at group 7
+    four of 64 (448 rows) and one of 44 (308 rows and 4 of padding), at group
+    1 one for each thread over the two kv heads (a single 300-token tile a
+    head would leave the other threads idle); a cached prefix, a chunk whose every key is in the
     first block, and a decode that stays walked."""
     batch = make_paged_batch([600, 70, 9, 64], [300, 33, 9, 1], num_heads=2 * group, num_kv_heads=2,
                              head_dim=head_dim, block_size=block_size)
