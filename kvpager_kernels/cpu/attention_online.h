@@ -72,12 +72,16 @@ inline int64_t online_tile_tokens(int64_t group) {
 // and alpha (exp(m - m'), the factor for the value sums so far; 1 where the
 // maximum did not rise) updated, up to kTileExpVectors vectors a pass
 // (tile_exps_core).
-inline void online_exps(float* st, int64_t rp, int64_t n, float* mx, float* sum, float* alpha) {
+inline void online_exps(float* st, int64_t rp, int64_t n, float* mx, float* sum, float* alpha,
+                        const float* bmax = nullptr) {
   for (int64_t j0 = 0; j0 < rp / 16; j0 += kTileExpVectors) {
     const int64_t nv = std::min<int64_t>(kTileExpVectors, rp / 16 - j0);
     __m512 m[kTileExpVectors], s[kTileExpVectors];
-    for (int64_t j = 0; j < nv; ++j) m[j] = _mm512_loadu_ps(mx + 16 * (j0 + j));
-    tile_exps_core(st, rp, j0, nv, n, m, s);
+    for (int64_t j = 0; j < nv; ++j) {
+      m[j] = _mm512_loadu_ps(mx + 16 * (j0 + j));
+      if (bmax) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(bmax + 16 * (j0 + j)));
+    }
+    tile_exps_core(st, rp, j0, nv, n, m, s, bmax != nullptr);
     for (int64_t j = 0; j < nv; ++j)
       _mm512_storeu_ps(alpha + 16 * (j0 + j), online_step(mx + 16 * (j0 + j), sum + 16 * (j0 + j), m[j], s[j]));
   }
@@ -111,11 +115,12 @@ void attend_tile_online(const TileJob<float>& jb, TileScratch& sc) {
   const int64_t G = jb.group, R = jb.count * G, rp = (R + 15) / 16 * 16, L = jb.pos0 + jb.count;
   const int64_t BS = jb.block_size, KB = std::max<int64_t>(1, kOnlineKeys / BS) * BS;
   if (static_cast<int64_t>(sc.st.size()) < KB * rp) sc.st.resize(KB * rp);
-  if (static_cast<int64_t>(sc.run.size()) < 3 * rp) sc.run.resize(3 * rp);
+  if (static_cast<int64_t>(sc.run.size()) < 4 * rp) sc.run.resize(4 * rp);
   float* st = sc.st.data();
   float* mx = sc.run.data();
   float* sum = mx + rp;
   float* alpha = sum + rp;
+  float* bmax = alpha + rp;
   std::fill(mx, mx + rp, -std::numeric_limits<float>::infinity());
   std::fill(sum, sum + rp, 0.f);
   tile_rows(jb, sc, R, rp, L);
@@ -128,9 +133,15 @@ void attend_tile_online(const TileJob<float>& jb, TileScratch& sc) {
   for (int64_t k0 = 0; k0 < L; k0 += KB) {
     const int64_t k1 = std::min(L, k0 + KB);
     if (k1 < L) prefetch_rows_l2<C>(jb, k1, std::min(L, k1 + KB));
-    tile_scores_range<C>(jb, sc, rp, k0, k1, st);
-    tile_mask(st, rp, sc.pos.data(), jb.pos0, k0, k1);
-    online_exps(st, rp, k1 - k0, mx, sum, alpha);
+    if (k1 <= jb.pos0 + 1) {  // every row sees every key of the block: its maximum kept as scored
+      std::fill(bmax, bmax + rp, -std::numeric_limits<float>::infinity());
+      tile_scores_range<C>(jb, sc, rp, k0, k1, st, bmax);
+      online_exps(st, rp, k1 - k0, mx, sum, alpha, bmax);
+    } else {
+      tile_scores_range<C>(jb, sc, rp, k0, k1, st);
+      tile_mask(st, rp, sc.pos.data(), jb.pos0, k0, k1);
+      online_exps(st, rp, k1 - k0, mx, sum, alpha);
+    }
     // Values, RR rows a step, up to the step's last row's position. A row
     // group whose keys all lie before k0 is skipped: its exps here are 0 and
     // its maximum did not rise (alpha 1).

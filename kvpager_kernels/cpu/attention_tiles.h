@@ -113,7 +113,7 @@ struct TileScratch {
   LineVec<float> kf, vf, of;   // bf16 only: K of a block [BS][D], V [L][D], out rows [RR][D]
   LineVec<uint32_t> qp, pp, vp;  // bf16 pairs: Q [D/2][rp], P [keys/2][rp], V [keys/2][D] (a key block's)
   LineVec<uint16_t> kt, pt;      // bf16 on AMX (attention_amx.h): K rows [16][D], P [rp][L]
-  LineVec<float> run;          // online fp32 tiles: max, sum, alpha [3][rp]; pair tiles: max, 1/sum [2][rp]
+  LineVec<float> run;          // online fp32 tiles: max, sum, alpha, a block's max [4][rp]; pair tiles: max, 1/sum [2][rp]
   LineVec<uint16_t> ss;        // pair tiles (attention_pairs.h): the context's scores as bf16 [L][rp]
   std::vector<int32_t> pos;        // [rp] each row's position (padding: the last row's)
   std::vector<const void*> rows;   // [R] each row's query vector (a const T*)
@@ -197,9 +197,12 @@ inline void tile_mask(float* st, int64_t rp, const int32_t* pos, int64_t pos0, i
 // The vectors share each pass, so a pass reads a key's line once, not once a
 // vector, and their max and sum chains interleave.
 constexpr int64_t kTileExpVectors = 16;
-inline void tile_exps_core(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t n, __m512* m, __m512* s) {
+// With have_max, m already holds the keys' maximum (the scores kernel kept
+// it) and the max pass is left out.
+inline void tile_exps_core(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t n, __m512* m, __m512* s,
+                           bool have_max = false) {
   for (int64_t j = 0; j < nv; ++j) s[j] = _mm512_setzero_ps();
-  for (int64_t key = 0; key < n; ++key)
+  for (int64_t key = 0; key < n && !have_max; ++key)
     for (int64_t j = 0; j < nv; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(st + key * rp + 16 * (j0 + j)));
   for (int64_t key = 0; key < n; ++key)
     for (int64_t j = 0; j < nv; ++j) {
@@ -243,9 +246,10 @@ inline __m512 tile_exps(float* st, int64_t rp, int64_t j, int64_t L) {
 // st[i][16j..] = (K[key_i] . QT[.][16j..]) * scale for NK keys and J vectors
 // of rows (NK * J accumulators; 6 x 4 leaves room for the operands).
 // R16: rounded as bf16 (the product, then the scaled score).
+// With bmax (fp32), bmax[16j..] is raised to the stored scores' maximum.
 template <int NK, int J, bool R16>
 inline void tile_scores(const float* __restrict qt, int64_t rp, const float* const* krow, int64_t d_len,
-                        float* __restrict st, float scale) {
+                        float* __restrict st, float scale, float* __restrict bmax = nullptr) {
   __m512 acc[NK][J];
   for (int i = 0; i < NK; ++i)
     for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -260,24 +264,34 @@ inline void tile_scores(const float* __restrict qt, int64_t rp, const float* con
   const __m512 sc = _mm512_set1_ps(scale);
   for (int i = 0; i < NK; ++i)
     for (int j = 0; j < J; ++j) {
-      if constexpr (R16)
+      if constexpr (R16) {
         _mm512_storeu_ps(st + i * rp + 16 * j, round_bf16x16(_mm512_mul_ps(round_bf16x16(acc[i][j]), sc)));
-      else
-        _mm512_storeu_ps(st + i * rp + 16 * j, _mm512_mul_ps(acc[i][j], sc));
+      } else {
+        acc[i][j] = _mm512_mul_ps(acc[i][j], sc);
+        _mm512_storeu_ps(st + i * rp + 16 * j, acc[i][j]);
+      }
     }
+  if constexpr (!R16)
+    if (bmax)
+      for (int j = 0; j < J; ++j) {
+        __m512 m = _mm512_loadu_ps(bmax + 16 * j);
+        for (int i = 0; i < NK; ++i) m = _mm512_max_ps(m, acc[i][j]);
+        _mm512_storeu_ps(bmax + 16 * j, m);
+      }
 }
 
 // NK keys against every row vector, four vectors at a time.
 template <int NK, bool R16>
 inline void tile_scores_keys(const float* qt, int64_t rp, const float* const* krow, int64_t d_len, float* st,
-                             float scale) {
+                             float scale, float* bmax = nullptr) {
   const int64_t nv = rp / 16;
   int64_t j = 0;
-  for (; j + 4 <= nv; j += 4) tile_scores<NK, 4, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
+  auto bm = [&](int64_t jj) { return bmax ? bmax + 16 * jj : nullptr; };
+  for (; j + 4 <= nv; j += 4) tile_scores<NK, 4, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale, bm(j));
   switch (nv - j) {
-    case 3: return tile_scores<NK, 3, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
-    case 2: return tile_scores<NK, 2, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
-    case 1: return tile_scores<NK, 1, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale);
+    case 3: return tile_scores<NK, 3, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale, bm(j));
+    case 2: return tile_scores<NK, 2, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale, bm(j));
+    case 1: return tile_scores<NK, 1, R16>(qt + 16 * j, rp, krow, d_len, st + 16 * j, scale, bm(j));
     default: return;
   }
 }
@@ -324,14 +338,15 @@ struct KeyCursor {
 
 // Scores of NK keys (row pointers) against the tile's rows, NK < 6.
 template <int C, bool R16>
-inline void tile_scores_rest(int nk, const float* qt, int64_t rp, const float* const* krow, float* st, float scale) {
+inline void tile_scores_rest(int nk, const float* qt, int64_t rp, const float* const* krow, float* st, float scale,
+                             float* bmax = nullptr) {
   constexpr int64_t D = 16 * C;
   switch (nk) {
-    case 5: return tile_scores_keys<5, R16>(qt, rp, krow, D, st, scale);
-    case 4: return tile_scores_keys<4, R16>(qt, rp, krow, D, st, scale);
-    case 3: return tile_scores_keys<3, R16>(qt, rp, krow, D, st, scale);
-    case 2: return tile_scores_keys<2, R16>(qt, rp, krow, D, st, scale);
-    case 1: return tile_scores_keys<1, R16>(qt, rp, krow, D, st, scale);
+    case 5: return tile_scores_keys<5, R16>(qt, rp, krow, D, st, scale, bmax);
+    case 4: return tile_scores_keys<4, R16>(qt, rp, krow, D, st, scale, bmax);
+    case 3: return tile_scores_keys<3, R16>(qt, rp, krow, D, st, scale, bmax);
+    case 2: return tile_scores_keys<2, R16>(qt, rp, krow, D, st, scale, bmax);
+    case 1: return tile_scores_keys<1, R16>(qt, rp, krow, D, st, scale, bmax);
     default: return;
   }
 }
@@ -343,7 +358,8 @@ inline void tile_scores_rest(int nk, const float* qt, int64_t rp, const float* c
 // six keys across blocks at ~95 % (one thread, rows in L1/L2; docs/kernels.md).
 // bf16: a block converted at a time (a 6 + 6 + 4 split of its rows).
 template <int C, typename T>
-inline void tile_scores_range(const TileJob<T>& jb, TileScratch& sc, int64_t rp, int64_t k0, int64_t k1, float* st) {
+inline void tile_scores_range(const TileJob<T>& jb, TileScratch& sc, int64_t rp, int64_t k0, int64_t k1, float* st,
+                              float* bmax = nullptr) {
   constexpr int64_t D = 16 * C;
   constexpr bool R16 = std::is_same_v<T, c10::BFloat16>;
   const int64_t BS = jb.block_size;
@@ -354,10 +370,10 @@ inline void tile_scores_range(const TileJob<T>& jb, TileScratch& sc, int64_t rp,
     int64_t key = k0;
     for (; key + 6 <= k1; key += 6) {
       for (int i = 0; i < 6; ++i) krow[i] = kc.row();
-      tile_scores_keys<6, false>(qt, rp, krow, D, st + (key - k0) * rp, jb.scale);
+      tile_scores_keys<6, false>(qt, rp, krow, D, st + (key - k0) * rp, jb.scale, bmax);
     }
     for (int i = 0; key + i < k1; ++i) krow[i] = kc.row();
-    tile_scores_rest<C, false>(static_cast<int>(k1 - key), qt, rp, krow, st + (key - k0) * rp, jb.scale);
+    tile_scores_rest<C, false>(static_cast<int>(k1 - key), qt, rp, krow, st + (key - k0) * rp, jb.scale, bmax);
   } else {
     if (static_cast<int64_t>(sc.kf.size()) < BS * D) sc.kf.resize(BS * D);
     for (int64_t b = k0 / BS; b * BS < k1; ++b) {
