@@ -197,12 +197,12 @@ inline void tile_mask(float* st, int64_t rp, const int32_t* pos, int64_t pos0, i
 // The vectors share each pass, so a pass reads a key's line once, not once a
 // vector, and their max and sum chains interleave.
 constexpr int64_t kTileExpVectors = 16;
-// With have_max, m already holds the keys' maximum (the scores kernel kept
-// it) and the max pass is left out.
+// m already holds the maximum of the keys before max_from (the scores
+// kernel kept it), so the max pass reads only the keys from there.
 inline void tile_exps_core(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t n, __m512* m, __m512* s,
-                           bool have_max = false) {
+                           int64_t max_from = 0) {
   for (int64_t j = 0; j < nv; ++j) s[j] = _mm512_setzero_ps();
-  for (int64_t key = 0; key < n && !have_max; ++key)
+  for (int64_t key = max_from; key < n; ++key)
     for (int64_t j = 0; j < nv; ++j) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(st + key * rp + 16 * (j0 + j)));
   for (int64_t key = 0; key < n; ++key)
     for (int64_t j = 0; j < nv; ++j) {
@@ -229,10 +229,13 @@ inline __m512 online_step(float* mj, float* sj, __m512 m, __m512 s) {
 
 // Softmax of the row vectors [j0, j0 + nv) down the L keys: their scores
 // replaced by exp(score - max) in place; inv[j] = 1 / each row's sum of them.
-inline void tile_exps_n(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t L, __m512* inv) {
+// bmax: each row's maximum over the keys before max_from, kept as scored.
+inline void tile_exps_n(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t L, __m512* inv,
+                        const float* bmax = nullptr, int64_t max_from = 0) {
   __m512 mx[kTileExpVectors], sum[kTileExpVectors];
-  for (int64_t j = 0; j < nv; ++j) mx[j] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  tile_exps_core(st, rp, j0, nv, L, mx, sum);
+  for (int64_t j = 0; j < nv; ++j)
+    mx[j] = bmax ? _mm512_loadu_ps(bmax + 16 * (j0 + j)) : _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  tile_exps_core(st, rp, j0, nv, L, mx, sum, bmax ? max_from : 0);
   for (int64_t j = 0; j < nv; ++j) inv[j] = _mm512_div_ps(_mm512_set1_ps(1.f), sum[j]);
 }
 
@@ -476,11 +479,12 @@ constexpr int64_t kTileValueKeys = 256;
 // kTileExpVectors vectors a pass; with inv_rows, exp(score - max) alone and
 // inv_rows[r] = 1 / row r's sum (the caller scales the value sums).
 template <bool R16>
-inline void tile_softmax(float* st, int64_t rp, int64_t L, float* inv_rows = nullptr) {
+inline void tile_softmax(float* st, int64_t rp, int64_t L, float* inv_rows = nullptr, const float* bmax = nullptr,
+                         int64_t max_from = 0) {
   for (int64_t j0 = 0; j0 < rp / 16; j0 += kTileExpVectors) {
     const int64_t nv = std::min<int64_t>(kTileExpVectors, rp / 16 - j0);
     __m512 inv[kTileExpVectors];
-    tile_exps_n(st, rp, j0, nv, L, inv);
+    tile_exps_n(st, rp, j0, nv, L, inv, bmax, max_from);
     if (inv_rows) {
       for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(inv_rows + 16 * (j0 + j), inv[j]);
       continue;
@@ -515,7 +519,19 @@ void attend_tile(const TileJob<T>& jb, TileScratch& sc) {
   }
   float* st = sc.st.data();
   tile_query_t<C, T>(sc, R, rp);
-  tile_scores_range<C>(jb, sc, rp, 0, L, st);
+  // fp32: the keys every row sees (those up to pos0) keep their maximum as
+  // they are scored, and the max pass reads only the tile's own keys.
+  float* bmax = nullptr;
+  const int64_t seen = R16 ? 0 : jb.pos0 + 1;
+  if constexpr (!R16) {
+    if (static_cast<int64_t>(sc.run.size()) < 2 * rp) sc.run.resize(2 * rp);
+    bmax = sc.run.data() + rp;
+    std::fill(bmax, bmax + rp, -std::numeric_limits<float>::infinity());
+    tile_scores_range<C>(jb, sc, rp, 0, seen, st, bmax);
+    if (seen < L) tile_scores_range<C>(jb, sc, rp, seen, L, st + seen * rp);  // a cursor at L would read past the table
+  } else {
+    tile_scores_range<C>(jb, sc, rp, 0, L, st);
+  }
 
   tile_mask(st, rp, sc.pos.data(), jb.pos0, 0, L);
   // fp32: the exps stay unnormalised and each row's value sums are scaled by
@@ -523,11 +539,8 @@ void attend_tile(const TileJob<T>& jb, TileScratch& sc) {
   // 1,904 x 6,000 58.2-60.8 -> 55.8-56.7 ms). bf16 rounds the normalised
   // probabilities, as transformers' eager attention does.
   float* inv_rows = nullptr;
-  if constexpr (!R16) {
-    if (static_cast<int64_t>(sc.run.size()) < rp) sc.run.resize(rp);
-    inv_rows = sc.run.data();
-  }
-  tile_softmax<R16>(st, rp, L, inv_rows);
+  if constexpr (!R16) inv_rows = sc.run.data();
+  tile_softmax<R16>(st, rp, L, inv_rows, bmax, seen);
 
   // Values, RR rows a step; a step reads keys up to its last row's position,
   // kTileValueKeys of them for every row group before the next ones.
