@@ -908,10 +908,13 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 #if defined(__AVX512BF16__)
       if (pairs_take(q.scalar_type(), amx_tiles, sh.head_dim)) per = kvpager::pair_tile_tokens(sh.group, lens[s]);
 #endif
+      // A kv head's tiles one after another: the threads take neighbouring
+      // jobs (run_tiles), so they read one head's K/V from L3 at a time
+      // rather than each its own (0.92-1.0 of the time, docs/kernels.md).
       auto add = [&](auto& to, auto* elem) {
         using T = std::remove_pointer_t<decltype(elem)>;
-        for (int64_t j = 0; j < q_len; j += per)
-          for (int64_t h = 0; h < sh.num_kv_heads; ++h)
+        for (int64_t h = 0; h < sh.num_kv_heads; ++h)
+          for (int64_t j = 0; j < q_len; j += per)
             to.push_back({q.data_ptr<T>(), sh.q_s0, sh.q_s1, k_cache.data_ptr<T>(), sh.k_s0, sh.k_s1, sh.k_s2,
                           v_cache.data_ptr<T>(), sh.v_s0, sh.v_s1, sh.v_s2, out.data_ptr<T>(), sh.o_s0, sh.o_s1,
                           tables + s * sh.max_blocks, sh.block_size, sh.group, qsl[s] + j, lens[s] - q_len + j,
