@@ -81,7 +81,7 @@ inline void online_exps(float* st, int64_t rp, int64_t n, float* mx, float* sum,
       m[j] = _mm512_loadu_ps(mx + 16 * (j0 + j));
       if (bmax) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(bmax + 16 * (j0 + j)));
     }
-    tile_exps_core(st, rp, j0, nv, n, m, s, bmax != nullptr);
+    tile_exps_core(st, rp, j0, nv, n, m, s, bmax ? n : 0);  // with bmax, no max pass
     for (int64_t j = 0; j < nv; ++j)
       _mm512_storeu_ps(alpha + 16 * (j0 + j), online_step(mx + 16 * (j0 + j), sum + 16 * (j0 + j), m[j], s[j]));
   }

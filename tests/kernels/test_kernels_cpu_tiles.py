@@ -98,8 +98,8 @@ def test_online_tiles_match_the_walk_and_the_reference(monkeypatch, group, head_
     whole row vectors: at group 4 three of 100 tokens (400 rows), at group 7
     four of 64 (448 rows) and one of 44 (308 rows and 4 of padding), at group
     1 one for each thread over the two kv heads (a single 300-token tile a
-    head would leave the other threads idle); a cached prefix, a chunk whose every key is in the
-    first block, and a decode that stays walked."""
+    head would leave the other threads idle); a cached prefix, a chunk whose
+    every key is in the first block, and a decode that stays walked."""
     batch = make_paged_batch([600, 70, 9, 64], [300, 33, 9, 1], num_heads=2 * group, num_kv_heads=2,
                              head_dim=head_dim, block_size=block_size)
     online = _online(batch, monkeypatch, 1)
