@@ -14,7 +14,8 @@
 //   exps     S[key][row] = exp(S - m'), l[row] = l * exp(m - m') + their sum
 //   values   O[row] = O * exp(m - m') + sum_key S[key][row] * V[key]
 // and once, after the last block, O[row] *= 1 / l[row]. The exps are the
-// one-pass tile's (vexp16_fma) against a maximum over fewer keys; each raise
+// one-pass tile's (base-2 scores, vexp2_16_nonpos: exp(s - m) is
+// 2^(s log2 e - m log2 e)) against a maximum over fewer keys; each raise
 // of the maximum scales the sums so far by exp(m - m') (exactly 1 where it did
 // not rise), and the output is normalised once rather than every
 // probability: outputs agree with the one-pass tile and the per-token walk to
@@ -81,9 +82,9 @@ inline void online_exps(float* st, int64_t rp, int64_t n, float* mx, float* sum,
       m[j] = _mm512_loadu_ps(mx + 16 * (j0 + j));
       if (bmax) m[j] = _mm512_max_ps(m[j], _mm512_loadu_ps(bmax + 16 * (j0 + j)));
     }
-    tile_exps_core(st, rp, j0, nv, n, m, s, bmax ? n : 0);  // with bmax, no max pass
+    tile_exps_core<true>(st, rp, j0, nv, n, m, s, bmax ? n : 0);  // with bmax, no max pass
     for (int64_t j = 0; j < nv; ++j)
-      _mm512_storeu_ps(alpha + 16 * (j0 + j), online_step(mx + 16 * (j0 + j), sum + 16 * (j0 + j), m[j], s[j]));
+      _mm512_storeu_ps(alpha + 16 * (j0 + j), online_step<true>(mx + 16 * (j0 + j), sum + 16 * (j0 + j), m[j], s[j]));
   }
 }
 

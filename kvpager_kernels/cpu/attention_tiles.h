@@ -15,11 +15,13 @@
 //   values   O[row] = sum_key ST[key][row] * V[key]     up to 6 rows x D a step
 // The softmax and the value sums are the per-token walk's arithmetic
 // (probabilities scaled by 1/sum, values summed key by key; fp32 scales the
-// value sums by 1/sum instead, once a row) but for the exp,
-// vexp16's polynomial with fused multiply-adds (vexp16_fma: exps within an
-// ulp or two, 10-12 % off a tile's time); the scores differ in summation
-// order (along D in one chain, not in 16 lanes reduced by a tree), so
-// outputs agree to a few ulp.
+// value sums by 1/sum instead, once a row) but for the exp: fp32 scores
+// carry log2(e) in their scale and take 2^x (vexp2_16_nonpos, within an ulp
+// of 2^x; whole calls 0.93-0.97 of the time of exp's polynomial), bf16 keeps
+// exp's polynomial with its multiply-adds fused (vexp16_fma, within an ulp
+// or two: 10-12 % off a tile's time against vexp16); the scores differ in
+// summation order (along D in one chain, not in 16 lanes reduced by a
+// tree), so outputs agree to a few ulp.
 //
 // bf16 (T = c10::BFloat16): the same tiles in fp32 (K rows converted a block
 // at a time, V once a tile), rounded where the walk rounds, which is where
@@ -199,6 +201,9 @@ inline void tile_mask(float* st, int64_t rp, const int32_t* pos, int64_t pos0, i
 constexpr int64_t kTileExpVectors = 16;
 // m already holds the maximum of the keys before max_from (the scores
 // kernel kept it), so the max pass reads only the keys from there.
+// B2: the scores are base-2 (fp32 tiles: tile_scores_range's scale carries
+// log2(e)), the exps 2^(score - m) (vexp2_16_nonpos); else exp (bf16).
+template <bool B2 = false>
 inline void tile_exps_core(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t n, __m512* m, __m512* s,
                            int64_t max_from = 0) {
   for (int64_t j = 0; j < nv; ++j) s[j] = _mm512_setzero_ps();
@@ -207,7 +212,8 @@ inline void tile_exps_core(float* st, int64_t rp, int64_t j0, int64_t nv, int64_
   for (int64_t key = 0; key < n; ++key)
     for (int64_t j = 0; j < nv; ++j) {
       float* p = st + key * rp + 16 * (j0 + j);
-      const __m512 e = vexp16_fma_nonpos(_mm512_sub_ps(_mm512_loadu_ps(p), m[j]));  // <= 0: m is their max
+      const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(p), m[j]);  // <= 0: m is their max
+      const __m512 e = B2 ? vexp2_16_nonpos(x) : vexp16_fma_nonpos(x);
       _mm512_storeu_ps(p, e);
       s[j] = _mm512_add_ps(s[j], e);
     }
@@ -217,11 +223,14 @@ inline void tile_exps_core(float* st, int64_t rp, int64_t j0, int64_t nv, int64_
 // their running maximum at *mj raised to m (finite: a tile's first key block
 // holds key 0, which every row sees), their running sum at *sj scaled by
 // exp(m_old - m) (exactly 1 where the maximum did not rise) plus s, the
-// block's sum of exps against m; returns that factor.
+// block's sum of exps against m; returns that factor. B2: base-2 scores
+// (the factor 2^(m_old - m)).
+template <bool B2 = false>
 inline __m512 online_step(float* mj, float* sj, __m512 m, __m512 s) {
   const __m512 m_old = _mm512_loadu_ps(mj);
   const __mmask16 rose = _mm512_cmp_ps_mask(m, m_old, _CMP_GT_OQ);
-  const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), rose, vexp16_fma(_mm512_sub_ps(m_old, m)));
+  const __m512 d = _mm512_sub_ps(m_old, m);  // < 0 where it rose (-inf from a first block's -inf)
+  const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), rose, B2 ? vexp2_16_nonpos(d) : vexp16_fma(d));
   _mm512_storeu_ps(mj, m);
   _mm512_storeu_ps(sj, _mm512_fmadd_ps(_mm512_loadu_ps(sj), a, s));
   return a;
@@ -230,12 +239,13 @@ inline __m512 online_step(float* mj, float* sj, __m512 m, __m512 s) {
 // Softmax of the row vectors [j0, j0 + nv) down the L keys: their scores
 // replaced by exp(score - max) in place; inv[j] = 1 / each row's sum of them.
 // bmax: each row's maximum over the keys before max_from, kept as scored.
+template <bool B2 = false>
 inline void tile_exps_n(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t L, __m512* inv,
                         const float* bmax = nullptr, int64_t max_from = 0) {
   __m512 mx[kTileExpVectors], sum[kTileExpVectors];
   for (int64_t j = 0; j < nv; ++j)
     mx[j] = bmax ? _mm512_loadu_ps(bmax + 16 * (j0 + j)) : _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  tile_exps_core(st, rp, j0, nv, L, mx, sum, bmax ? max_from : 0);
+  tile_exps_core<B2>(st, rp, j0, nv, L, mx, sum, bmax ? max_from : 0);
   for (int64_t j = 0; j < nv; ++j) inv[j] = _mm512_div_ps(_mm512_set1_ps(1.f), sum[j]);
 }
 
@@ -369,14 +379,15 @@ inline void tile_scores_range(const TileJob<T>& jb, TileScratch& sc, int64_t rp,
   const float* qt = sc.qt.data();
   const float* krow[6];
   if constexpr (!R16) {
+    const float scale2 = jb.scale * kLog2e;  // base-2 scores: their exps are 2^x (tile_exps_core)
     KeyCursor kc(jb.k, jb.kvh * jb.k_s2, jb.table, jb.k_s0, jb.k_s1, BS, k0);
     int64_t key = k0;
     for (; key + 6 <= k1; key += 6) {
       for (int i = 0; i < 6; ++i) krow[i] = kc.row();
-      tile_scores_keys<6, false>(qt, rp, krow, D, st + (key - k0) * rp, jb.scale, bmax);
+      tile_scores_keys<6, false>(qt, rp, krow, D, st + (key - k0) * rp, scale2, bmax);
     }
     for (int i = 0; key + i < k1; ++i) krow[i] = kc.row();
-    tile_scores_rest<C, false>(static_cast<int>(k1 - key), qt, rp, krow, st + (key - k0) * rp, jb.scale, bmax);
+    tile_scores_rest<C, false>(static_cast<int>(k1 - key), qt, rp, krow, st + (key - k0) * rp, scale2, bmax);
   } else {
     if (static_cast<int64_t>(sc.kf.size()) < BS * D) sc.kf.resize(BS * D);
     for (int64_t b = k0 / BS; b * BS < k1; ++b) {
@@ -484,7 +495,7 @@ inline void tile_softmax(float* st, int64_t rp, int64_t L, float* inv_rows = nul
   for (int64_t j0 = 0; j0 < rp / 16; j0 += kTileExpVectors) {
     const int64_t nv = std::min<int64_t>(kTileExpVectors, rp / 16 - j0);
     __m512 inv[kTileExpVectors];
-    tile_exps_n(st, rp, j0, nv, L, inv, bmax, max_from);
+    tile_exps_n<!R16>(st, rp, j0, nv, L, inv, bmax, max_from);  // fp32 scores are base-2
     if (inv_rows) {
       for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(inv_rows + 16 * (j0 + j), inv[j]);
       continue;

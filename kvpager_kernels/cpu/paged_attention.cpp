@@ -956,9 +956,30 @@ bool amx_usable() {
 #endif
 }
 
+// The fp32 tiles' exp, vec.h's vexp2_16_nonpos, over a float32 tensor of
+// inputs <= 0 (its test compares it with exp2 in float64).
+at::Tensor exp2_nonpos(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "exp2_nonpos: float32 input, got ", x.scalar_type());
+#if defined(__AVX512F__)
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const float* src = xc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t n = xc.numel();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, live, kvpager::vexp2_16_nonpos(_mm512_maskz_loadu_ps(live, src + i)));
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "exp2_nonpos: built without AVX-512 (the tiles' exp is AVX-512 only)");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) {
+  m.def("exp2_nonpos(Tensor x) -> Tensor", &exp2_nonpos);
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale, int window, float softcap, "

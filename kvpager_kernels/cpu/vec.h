@@ -102,6 +102,31 @@ inline __m512 vexp16_fma_nonpos(__m512 in) {
   return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
 }
 
+// 2^x for x <= 0 (a base-2 score minus its row's maximum; -inf for a masked
+// key): the fp32 prefill tiles' exps, whose scores carry log2(e) in their
+// scale. x = n + f with n = round(x) and f = x - n exact in [-1/2, 1/2],
+// 2^f by a degree-6 polynomial (least-squares fit on Chebyshev nodes, within
+// 0.93 ulp of 2^f in fp32 Horner; the constant term 1, so 2^0 is 1 exactly),
+// 2^n applied by scalef. Inputs under -150 give 0 (2^-150 rounds to 0, where
+// a result under 2^-126 comes out subnormal), NaN stays NaN. 8 operations on
+// the multiply pipes where vexp16_fma_nonpos takes 11 (its two-constant
+// reduction and the 1.44 multiply are gone): 0.56-0.57 of its time in a
+// tile's exp pass (docs/kernels.md).
+constexpr float kLog2e = 1.44269504088896341f;
+inline __m512 vexp2_16_nonpos(__m512 in) {
+  const __m512 x = _mm512_max_ps(_mm512_set1_ps(-150.0f), in);  // NaN: max returns its second operand
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(1.5353361e-04f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3398875e-03f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6184369e-03f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5503324e-02f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022648e-01f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-01f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
 // Sixteen bf16 (raw bits) widened to fp32, and fp32 rounded to bf16 exactly
 // as c10::BFloat16 rounds (to nearest even; NaN -> 0x7fc0; subnormals kept,
 // unlike the AVX512-BF16 conversion instruction, which flushes them).

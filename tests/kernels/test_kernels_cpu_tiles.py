@@ -287,3 +287,21 @@ def test_amx_tiles_leave_onednn_matmuls_on_the_same_threads_intact():
     assert torch.equal(a @ w, want)
     assert torch.equal(cpu_attention.paged_attention(*batch.args()), first)
     assert torch.equal(a @ w, want)
+
+
+def test_fp32_tile_exp_is_exp2_within_an_ulp():
+    # The fp32 tiles score in base 2 and exponentiate with vec.h's
+    # vexp2_16_nonpos: within an ulp of 2^x where the result is a normal
+    # float, 0 for -inf (a masked key) and below -150, NaN kept. 100,003
+    # inputs: a ragged last vector.
+    x = torch.linspace(-126.0, 0.0, 100_003, dtype=torch.float64).float()
+    got = torch.ops.kvpager_cpu.exp2_nonpos(x).double()
+    want = torch.exp2(x.double())
+    ulp = (torch.nextafter(want.float(), torch.tensor(float("inf"))).double() - want.float().double())
+    assert ((got - want).abs() / ulp).max() <= 1.0
+    whole = torch.tensor([0.0, -1.0, -10.0, -126.0])  # f = 0: the polynomial's constant term, exactly 1
+    assert torch.equal(torch.ops.kvpager_cpu.exp2_nonpos(whole), torch.exp2(whole))
+    special = torch.ops.kvpager_cpu.exp2_nonpos(torch.tensor([float("-inf"), -150.0, -1e30, float("nan")]))
+    assert special[:3].tolist() == [0.0, 0.0, 0.0] and special[3].isnan()
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.kvpager_cpu.exp2_nonpos(x.double())
