@@ -15,13 +15,12 @@
 //   values   O[row] = sum_key ST[key][row] * V[key]     up to 6 rows x D a step
 // The softmax and the value sums are the per-token walk's arithmetic
 // (probabilities scaled by 1/sum, values summed key by key; fp32 scales the
-// value sums by 1/sum instead, once a row) but for the exp: fp32 scores
-// carry log2(e) in their scale and take 2^x (vexp2_16_nonpos, within an ulp
-// of 2^x; whole calls 0.93-0.97 of the time of exp's polynomial), bf16 keeps
-// exp's polynomial with its multiply-adds fused (vexp16_fma, within an ulp
-// or two: 10-12 % off a tile's time against vexp16); the scores differ in
-// summation order (along D in one chain, not in 16 lanes reduced by a
-// tree), so outputs agree to a few ulp.
+// value sums by 1/sum instead, once a row) but for the exp, vexp16's
+// polynomial with its multiply-adds fused (vexp16_fma, within an ulp or two:
+// 10-12 % off a tile's time against vexp16; the fp32 online tiles of long
+// contexts score in base 2 and take 2^x, attention_online.h); the scores
+// differ in summation order (along D in one chain, not in 16 lanes reduced
+// by a tree), so outputs agree to a few ulp.
 //
 // bf16 (T = c10::BFloat16): the same tiles in fp32 (K rows converted a block
 // at a time, V once a tile), rounded where the walk rounds, which is where
@@ -201,8 +200,9 @@ inline void tile_mask(float* st, int64_t rp, const int32_t* pos, int64_t pos0, i
 constexpr int64_t kTileExpVectors = 16;
 // m already holds the maximum of the keys before max_from (the scores
 // kernel kept it), so the max pass reads only the keys from there.
-// B2: the scores are base-2 (fp32 tiles: tile_scores_range's scale carries
-// log2(e)), the exps 2^(score - m) (vexp2_16_nonpos); else exp (bf16).
+// B2: the scores are base-2 (fp32 online tiles: tile_scores_range<..., true>
+// put log2(e) in their scale), the exps 2^(score - m) (vexp2_16_nonpos);
+// else exp.
 template <bool B2 = false>
 inline void tile_exps_core(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t n, __m512* m, __m512* s,
                            int64_t max_from = 0) {
@@ -370,7 +370,8 @@ inline void tile_scores_rest(int nk, const float* qt, int64_t rp, const float* c
 // a 16-key block split 6 + 6 + 4 ran the scores at ~75 % of the FMA rate,
 // six keys across blocks at ~95 % (one thread, rows in L1/L2; docs/kernels.md).
 // bf16: a block converted at a time (a 6 + 6 + 4 split of its rows).
-template <int C, typename T>
+// B2 (fp32): base-2 scores, log2(e) in the scale (tile_exps_core<true>).
+template <int C, typename T, bool B2 = false>
 inline void tile_scores_range(const TileJob<T>& jb, TileScratch& sc, int64_t rp, int64_t k0, int64_t k1, float* st,
                               float* bmax = nullptr) {
   constexpr int64_t D = 16 * C;
@@ -379,7 +380,7 @@ inline void tile_scores_range(const TileJob<T>& jb, TileScratch& sc, int64_t rp,
   const float* qt = sc.qt.data();
   const float* krow[6];
   if constexpr (!R16) {
-    const float scale2 = jb.scale * kLog2e;  // base-2 scores: their exps are 2^x (tile_exps_core)
+    const float scale2 = B2 ? jb.scale * kLog2e : jb.scale;
     KeyCursor kc(jb.k, jb.kvh * jb.k_s2, jb.table, jb.k_s0, jb.k_s1, BS, k0);
     int64_t key = k0;
     for (; key + 6 <= k1; key += 6) {
@@ -495,7 +496,7 @@ inline void tile_softmax(float* st, int64_t rp, int64_t L, float* inv_rows = nul
   for (int64_t j0 = 0; j0 < rp / 16; j0 += kTileExpVectors) {
     const int64_t nv = std::min<int64_t>(kTileExpVectors, rp / 16 - j0);
     __m512 inv[kTileExpVectors];
-    tile_exps_n<!R16>(st, rp, j0, nv, L, inv, bmax, max_from);  // fp32 scores are base-2
+    tile_exps_n(st, rp, j0, nv, L, inv, bmax, max_from);
     if (inv_rows) {
       for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(inv_rows + 16 * (j0 + j), inv[j]);
       continue;

@@ -956,7 +956,7 @@ bool amx_usable() {
 #endif
 }
 
-// The fp32 tiles' exp, vec.h's vexp2_16_nonpos, over a float32 tensor of
+// The fp32 online tiles' exp, vec.h's vexp2_16_nonpos, over a float32 tensor of
 // inputs <= 0 (its test compares it with exp2 in float64).
 at::Tensor exp2_nonpos(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "exp2_nonpos: float32 input, got ", x.scalar_type());

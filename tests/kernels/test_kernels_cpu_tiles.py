@@ -290,7 +290,7 @@ def test_amx_tiles_leave_onednn_matmuls_on_the_same_threads_intact():
 
 
 def test_fp32_tile_exp_is_exp2_within_an_ulp():
-    # The fp32 tiles score in base 2 and exponentiate with vec.h's
+    # The fp32 online tiles score in base 2 and exponentiate with vec.h's
     # vexp2_16_nonpos: within an ulp of 2^x where the result is a normal
     # float, 0 for -inf (a masked key) and below -150, NaN kept. 100,003
     # inputs: a ragged last vector.
