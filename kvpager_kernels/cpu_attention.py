@@ -10,7 +10,8 @@ fixed cost is a gather, a mask and a dispatch per layer): on a CPU without
 AMX every prompt up to a few thousand tokens. In the kernel, fp32 and bf16
 chunks of ``TILE_MIN_QUERY`` tokens or more are attended in tiles of up to 16
 tokens x the GQA group (small matrix products over the same block tables);
-fp32 contexts of ``ONLINE_MIN_KEYS`` keys or more in tiles of ~512 rows that
+fp32 contexts of ``ONLINE_MIN_KEYS`` keys or more (chunks of ``ONLINE_MIN_ROWS``
+rows or more) in tiles of ~512 rows that
 walk the context in key blocks with an online softmax; bf16 on AVX512-BF16
 in tiles (~128 rows from 1,024 keys) that go over the context twice in key
 blocks, its scores kept as bf16 (the probabilities are rounded after
@@ -40,13 +41,19 @@ SHORT_QUERY = 16
 # read; a 0.5B prefill's attention 28 -> ~18 ms a layer on the AVX-512 EPYC,
 # docs/benchmarks.md); decodes walk their one query. 0: never.
 TILE_MIN_QUERY = 2
-# fp32 tiles of contexts at least this long walk the context in key blocks
-# with an online softmax (kvpager_kernels/cpu/attention_online.h): their
-# scores stay in L2 and a tile keeps ~512 rows. From 16,384 keys 1.35-3.3x
-# the one-pass tile's speed, level at 8,192, 10-25 % slower at 128-256
-# (Zen 5 EPYC, docs/kernels.md). 0: never. bf16 tiles on AVX512-BF16
-# (attention_pairs.h) go by key blocks at every length and ignore it.
-ONLINE_MIN_KEYS = 8192
+# fp32 tiles of contexts at least this long, in chunks of at least
+# ONLINE_MIN_ROWS rows (queries x the GQA group), walk the context in key
+# blocks with an online softmax (kvpager_kernels/cpu/attention_online.h):
+# their scores stay in L2, a tile keeps ~512 rows, and its exps are 2^x of
+# base-2 scores. Against the one-pass tile (Zen 5 EPYC, 2 threads, 8 and 14
+# heads over 2 and 8 over 8; docs/kernels.md): 0.68-0.89 of its time at
+# 8,192 keys, 0.92-0.98 from 2,048 to 6,000 (0.75-0.88 without GQA),
+# level to 17 % slower at 1,024, 10-25 % slower at 128-256; from 2,048 keys
+# slower only for chunks of 16-32 rows (1.02-1.28x). 0: never. bf16 tiles
+# on AVX512-BF16 (attention_pairs.h) go by key blocks at every length and
+# ignore both.
+ONLINE_MIN_KEYS = 2048
+ONLINE_MIN_ROWS = 64
 # bf16 tiles run their two products on AMX where the CPU has it and the head
 # dim is a multiple of 32 (kvpager_kernels/cpu/attention_amx.h); False keeps
 # AVX512-BF16's pair kernel (tests compare the two).
@@ -175,7 +182,7 @@ def paged_attention(
         torch.ops.kvpager_cpu.paged_attention(out, q, k_cache, v_cache, tables.contiguous(), lens.contiguous(),
                                               qsl.contiguous(), plan.in_place_seqs, float(scale), int(window or 0),
                                               float(softcap or 0.0), TILE_MIN_QUERY, ONLINE_MIN_KEYS,
-                                              AMX_TILES)
+                                              ONLINE_MIN_ROWS, AMX_TILES)
     for c in plan.long_chunks:  # in the model's dtype: the reference upcasts to fp32
         reference._attend_prefill(q, k_cache, v_cache, c, scale, out, softcap, native=True)
     return out

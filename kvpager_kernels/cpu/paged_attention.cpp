@@ -825,14 +825,16 @@ void dispatch_dim(const Shape& sh, const at::Tensor& out, const at::Tensor& q, c
 // window may be padding). softcap > 0: Gemma 2's logit soft-capping.
 // tile_min_query: fp32 and bf16 chunks of at least this many queries are
 // attended in tiles (attention_tiles.h, AVX-512 builds); 0 walks every query alone.
-// online_min_keys: fp32 tiles of contexts at least this long run attention_online.h's
-// key blocks instead (0: never).
+// online_min_keys, online_min_rows: fp32 tiles of contexts at least
+// online_min_keys long, in chunks of at least online_min_rows rows (queries x
+// the GQA group), run attention_online.h's key blocks instead (0 keys: never).
 // amx_tiles: bf16 tiles on AMX where there is one (attention_amx.h); false: the
 // AVX-512 tiles everywhere.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& seqs, double scale, int64_t window,
-                     double softcap, int64_t tile_min_query, int64_t online_min_keys, bool amx_tiles) {
+                     double softcap, int64_t tile_min_query, int64_t online_min_keys, int64_t online_min_rows,
+                     bool amx_tiles) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0 = off)");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of one shape");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be [NB, BS, KVH, D]");
@@ -890,7 +892,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     }
 #if defined(__AVX512F__)
     if (tiles_take(sh, q.scalar_type(), q_len, tile_min_query)) {
-      const bool online = q.scalar_type() == at::kFloat && online_min_keys > 0 && lens[s] >= online_min_keys;
+      const bool online = q.scalar_type() == at::kFloat && online_min_keys > 0 && lens[s] >= online_min_keys &&
+                          q_len * sh.group >= online_min_rows;
       int64_t per = online ? kvpager::online_tile_tokens(sh.group) : kvpager::tile_tokens(sh.group, lens[s]);
       if (online) {
         // Tiles of equal size, and at least two a thread where the chunk
@@ -983,7 +986,7 @@ TORCH_LIBRARY_FRAGMENT(kvpager_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor seqs, float scale, int window, float softcap, "
-      "int tile_min_query, int online_min_keys, bool amx_tiles) -> ()");
+      "int tile_min_query, int online_min_keys, int online_min_rows, bool amx_tiles) -> ()");
   m.def("amx_usable() -> bool", &amx_usable);
 }
 

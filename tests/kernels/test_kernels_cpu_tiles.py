@@ -12,7 +12,8 @@ pytestmark = pytest.mark.skipif(not cpu_build.available() or "avx512f" not in cp
                                 reason="the tile kernel is built for AVX-512 CPUs")
 
 TOL = dict(atol=2e-5, rtol=2e-5)
-TILE_MIN_QUERY = cpu_attention.TILE_MIN_QUERY  # the product's setting (tests patch the module's)
+TILE_MIN_QUERY = cpu_attention.TILE_MIN_QUERY  # the product's settings (tests patch the module's)
+ONLINE_MIN_KEYS, ONLINE_MIN_ROWS = cpu_attention.ONLINE_MIN_KEYS, cpu_attention.ONLINE_MIN_ROWS
 
 
 def _both(batch, monkeypatch, **kw):
@@ -64,7 +65,8 @@ def test_tiles_cross_blocks_of_any_size(monkeypatch, block_size, dtype):
 
 @pytest.mark.parametrize("dtype, context", [(torch.float32, 10_000), (torch.bfloat16, 70_000)])
 def test_long_context_shrinks_the_tile(monkeypatch, dtype, context):
-    # fp32 at 10,000 keys goes to the online tile (ONLINE_MIN_KEYS); a bf16
+    # fp32 at 10,000 keys goes to the online tile (ONLINE_MIN_KEYS: 40 x 7
+    # rows); a bf16
     # pair tile keeps its context's scores, and past 65,536 keys its 18 tokens
     # x 7 heads would pass 16 MiB of them, so it holds fewer (pair_tile_tokens:
     # 17 here, the 40 queries in three tiles, the last ragged); the answer is
@@ -80,9 +82,11 @@ def test_long_context_shrinks_the_tile(monkeypatch, dtype, context):
 
 
 def _online(batch, monkeypatch, min_keys, **kw):
-    """The tiled output with ONLINE_MIN_KEYS = min_keys (0: the one-pass tiles only)."""
+    """The tiled output with ONLINE_MIN_KEYS = min_keys (0: the one-pass tiles
+    only; 1: online tiles for every fp32 chunk, however few its rows)."""
     monkeypatch.setattr(cpu_attention, "TILE_MIN_QUERY", TILE_MIN_QUERY)
     monkeypatch.setattr(cpu_attention, "ONLINE_MIN_KEYS", min_keys)
+    monkeypatch.setattr(cpu_attention, "ONLINE_MIN_ROWS", 0 if min_keys == 1 else ONLINE_MIN_ROWS)
     plan = cpu_attention.CpuAttentionPlan(in_place_seqs=torch.arange(batch.seq_lens.numel()))
     return cpu_attention.paged_attention(*batch.args(), plan=plan, **kw)
 
@@ -115,16 +119,19 @@ def test_online_tiles_match_the_walk_and_the_reference(monkeypatch, group, head_
 
 
 def test_fp32_contexts_from_online_min_keys_go_online_and_bf16_never():
-    # The product's threshold: a chunk at 8,200 keys goes online, one at 8,000
-    # beside it keeps the one-pass tile; bf16 tiles ignore the setting.
-    assert cpu_attention.ONLINE_MIN_KEYS == 8192
-    batch = make_paged_batch([8200, 8000], [40, 40], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    # The product's thresholds: a chunk of 40 queries x 4 heads at 2,100 keys
+    # goes online, one at 2,000 beside it keeps the one-pass tile, and so does
+    # one of 15 x 4 = 60 rows at 2,100; bf16 tiles ignore the setting.
+    assert (ONLINE_MIN_KEYS, ONLINE_MIN_ROWS) == (2048, 64)
+    batch = make_paged_batch([2100, 2000, 2100], [40, 40, 15], num_heads=8, num_kv_heads=2, head_dim=64,
+                             block_size=16)
     mp = pytest.MonkeyPatch()
     try:
-        default = _online(batch, mp, cpu_attention.ONLINE_MIN_KEYS)
+        default = _online(batch, mp, ONLINE_MIN_KEYS)
         always, never = _online(batch, mp, 1), _online(batch, mp, 0)
         assert torch.equal(default[:40], always[:40]) and not torch.equal(default[:40], never[:40])
-        assert torch.equal(default[40:], never[40:]) and not torch.equal(default[40:], always[40:])
+        for rows in (slice(40, 80), slice(80, 95)):
+            assert torch.equal(default[rows], never[rows]) and not torch.equal(default[rows], always[rows])
         torch.testing.assert_close(default, R.paged_attention(*batch.args()), **TOL)
         bf = make_paged_batch([300], [300], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                               dtype=torch.bfloat16)
