@@ -14,8 +14,8 @@
 //   exps     S[key][row] = exp(S - m'), l[row] = l * exp(m - m') + their sum
 //   values   O[row] = O * exp(m - m') + sum_key S[key][row] * V[key]
 // and once, after the last block, O[row] *= 1 / l[row]. The scores carry
-// log2(e) in their scale and the exps are 2^(s - m') (vexp2_16_nonpos: 8
-// multiply-pipe operations where the one-pass tile's exp takes 11; whole
+// log2(e) in their scale and the exps are 2^(s - m') (vexp2_16_nonpos: 7
+// multiplies, multiply-adds and scalefs where the one-pass tile's exp takes 11; whole
 // calls 0.95-0.97 of the time), against a maximum over fewer keys; each raise
 // of the maximum scales the sums so far by exp(m - m') (exactly 1 where it did
 // not rise), and the output is normalised once rather than every

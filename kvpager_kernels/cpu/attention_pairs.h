@@ -176,7 +176,7 @@ inline void pair_scores_range(const TileJob<c10::BFloat16>& jb, const uint32_t* 
 }
 
 // exp(x) for x <= 0 (a kept score minus its row's maximum) as 2^(x log2 e):
-// 9 operations on the multiply pipes where vexp16_fma_nonpos takes 11, and
+// 8 multiplies, multiply-adds and scalefs where vexp16_fma_nonpos takes 11, and
 // each exp is computed twice (a sum in pass 1, a probability in pass 2).
 // The product x log2 e rounds once more: up to ~|x| ulp off exp(x) where
 // vexp16_fma's polynomial is within one or two, so a probability of exp(-10)

@@ -17,8 +17,9 @@
 // (probabilities scaled by 1/sum, values summed key by key; fp32 scales the
 // value sums by 1/sum instead, once a row) but for the exp, vexp16's
 // polynomial with its multiply-adds fused (vexp16_fma, within an ulp or two:
-// 10-12 % off a tile's time against vexp16; the fp32 online tiles of long
-// contexts score in base 2 and take 2^x, attention_online.h); the scores
+// 10-12 % off a tile's time against vexp16; the fp32 online tiles score in
+// base 2 and take 2^x, attention_online.h, and the bf16 pair tiles
+// 2^(x log2 e), attention_pairs.h); the scores
 // differ in summation order (along D in one chain, not in 16 lanes reduced
 // by a tree), so outputs agree to a few ulp.
 //

@@ -108,8 +108,8 @@ inline __m512 vexp16_fma_nonpos(__m512 in) {
 // 2^f by a degree-6 polynomial (least-squares fit on Chebyshev nodes, within
 // 0.93 ulp of 2^f in fp32 Horner; the constant term 1, so 2^0 is 1 exactly),
 // 2^n applied by scalef. Inputs under -150 give 0 (2^-150 rounds to 0, where
-// a result under 2^-126 comes out subnormal), NaN stays NaN. 8 operations on
-// the multiply pipes where vexp16_fma_nonpos takes 11 (its two-constant
+// a result under 2^-126 comes out subnormal), NaN stays NaN. 7 multiplies,
+// multiply-adds and scalefs where vexp16_fma_nonpos takes 11 (its two-constant
 // reduction and the 1.44 multiply are gone): 0.56-0.57 of its time in a
 // tile's exp pass (docs/kernels.md).
 constexpr float kLog2e = 1.44269504088896341f;
