@@ -47,7 +47,7 @@ TILE_MIN_QUERY = 2
 # their scores stay in L2, a tile keeps ~512 rows, and its exps are 2^x of
 # base-2 scores. Against the one-pass tile (Zen 5 EPYC, 2 threads, 8 and 14
 # heads over 2 and 8 over 8; docs/kernels.md): 0.68-0.89 of its time at
-# 8,192 keys, 0.92-0.98 from 2,048 to 6,000 (0.75-0.88 without GQA),
+# 8,192 keys, 0.92-0.98 from 2,048 to 6,000 (0.75-1.01 without GQA),
 # level to 17 % slower at 1,024, 10-25 % slower at 128-256; from 2,048 keys
 # slower only for chunks of 16-32 rows (1.02-1.28x). 0: never. bf16 tiles
 # on AVX512-BF16 (attention_pairs.h) go by key blocks at every length and

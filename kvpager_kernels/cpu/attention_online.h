@@ -15,10 +15,10 @@
 //   values   O[row] = O * exp(m - m') + sum_key S[key][row] * V[key]
 // and once, after the last block, O[row] *= 1 / l[row]. The scores carry
 // log2(e) in their scale and the exps are 2^(s - m') (vexp2_16_nonpos: 7
-// multiplies, multiply-adds and scalefs where the one-pass tile's exp takes 11; whole
-// calls 0.95-0.97 of the time), against a maximum over fewer keys; each raise
-// of the maximum scales the sums so far by exp(m - m') (exactly 1 where it did
-// not rise), and the output is normalised once rather than every
+// multiplies, multiply-adds and scalefs where the one-pass tile's exp takes
+// 11; whole calls 0.95-0.97 of the time), against a maximum over fewer keys;
+// each raise of the maximum scales the sums so far by exp(m - m') (exactly 1
+// where it did not rise), and the output is normalised once rather than every
 // probability: outputs agree with the one-pass tile and the per-token walk to
 // a few ulp (tests/kernels/test_kernels_cpu_tiles.py).
 //

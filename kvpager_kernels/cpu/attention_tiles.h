@@ -19,9 +19,9 @@
 // polynomial with its multiply-adds fused (vexp16_fma, within an ulp or two:
 // 10-12 % off a tile's time against vexp16; the fp32 online tiles score in
 // base 2 and take 2^x, attention_online.h, and the bf16 pair tiles
-// 2^(x log2 e), attention_pairs.h); the scores
-// differ in summation order (along D in one chain, not in 16 lanes reduced
-// by a tree), so outputs agree to a few ulp.
+// 2^(x log2 e), attention_pairs.h); the scores differ in summation order
+// (along D in one chain, not in 16 lanes reduced by a tree), so outputs
+// agree to a few ulp.
 //
 // bf16 (T = c10::BFloat16): the same tiles in fp32 (K rows converted a block
 // at a time, V once a tile), rounded where the walk rounds, which is where
@@ -240,13 +240,12 @@ inline __m512 online_step(float* mj, float* sj, __m512 m, __m512 s) {
 // Softmax of the row vectors [j0, j0 + nv) down the L keys: their scores
 // replaced by exp(score - max) in place; inv[j] = 1 / each row's sum of them.
 // bmax: each row's maximum over the keys before max_from, kept as scored.
-template <bool B2 = false>
 inline void tile_exps_n(float* st, int64_t rp, int64_t j0, int64_t nv, int64_t L, __m512* inv,
                         const float* bmax = nullptr, int64_t max_from = 0) {
   __m512 mx[kTileExpVectors], sum[kTileExpVectors];
   for (int64_t j = 0; j < nv; ++j)
     mx[j] = bmax ? _mm512_loadu_ps(bmax + 16 * (j0 + j)) : _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  tile_exps_core<B2>(st, rp, j0, nv, L, mx, sum, bmax ? max_from : 0);
+  tile_exps_core(st, rp, j0, nv, L, mx, sum, bmax ? max_from : 0);
   for (int64_t j = 0; j < nv; ++j) inv[j] = _mm512_div_ps(_mm512_set1_ps(1.f), sum[j]);
 }
 

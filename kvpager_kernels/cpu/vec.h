@@ -104,8 +104,8 @@ inline __m512 vexp16_fma_nonpos(__m512 in) {
 
 // 2^x for x <= 0 (a base-2 score minus its row's maximum; -inf for a masked
 // key): the fp32 online tiles' exps (attention_online.h), whose scores
-// carry log2(e) in their scale. x = n + f with n = round(x) and f = x - n exact in [-1/2, 1/2],
-// 2^f by a degree-6 polynomial (least-squares fit on Chebyshev nodes, within
+// carry log2(e) in their scale. x = n + f with n = round(x) and f = x - n
+// exact in [-1/2, 1/2], 2^f by a degree-6 polynomial (least-squares fit on Chebyshev nodes, within
 // 0.93 ulp of 2^f in fp32 Horner; the constant term 1, so 2^0 is 1 exactly),
 // 2^n applied by scalef. Inputs under -150 give 0 (2^-150 rounds to 0, where
 // a result under 2^-126 comes out subnormal), NaN stays NaN. 7 multiplies,
