@@ -9,7 +9,7 @@
 // bf16 on AMX CPUs, whose oneDNN layout differs: a dense copy) a whole
 // 64-column panel at a time, in order: register tiles of at most 6 rows x 64
 // columns (24 accumulators), and while it computes one panel it asks for the
-// next into L2, so the weights stream from memory once per step in one
+// next into L2 (in shares spread over its row tiles), so the weights stream from memory once per step in one
 // sequential pass. (The first form took 32-column halves of panels in 12-row
 // tiles: every other pair of lines of the buffer, a pattern the hardware's
 // stream prefetcher follows less well. On the Zen 5 EPYC the 0.5B Llama's
@@ -41,6 +41,12 @@
 
 #include "amx.h"
 
+// Loops start on a 64-byte line. Where the compiler placed them, the row
+// tiles' k-loops ran up to ~20 % apart between builds of nearly the same
+// code (a 0.5B decode step's linears at 32 rows with the spread requests
+// below: 52, 57 and 62 ms in three builds); on a line, 52-55.
+#pragma GCC optimize("align-loops=64")
+
 namespace at::native {
 // Exported by libtorch_cpu (torch's AOT paths use them): the buffer and size
 // of an opaque oneDNN tensor.
@@ -52,6 +58,16 @@ namespace {
 
 constexpr int64_t kPanel = 64;  // columns of a packed panel: one register tile's width (four zmm)
 constexpr int kRows = 6;        // most rows of one register tile (6 x 4 accumulators + 4 of the panel + 1)
+// Row tiles a panel from which each asks for its share of the next panel,
+// spread over its k-steps, rather than the whole of it: requests at about
+// the rate the panels are consumed, where every tile asking for everything
+// sent them in a burst during the first tile (most of them again to L2
+// after). On the Zen 5 EPYC, the 0.5B Llama's linears with every weight
+// from memory (2 threads, both forms in turn in one process), time spread /
+// time whole: fp32 16 rows 0.98, 24-32 rows 0.83-0.89, 48 0.93-1.02, 64
+// 0.89-0.91, 128 0.94, 512 0.96-0.97; bf16 16-48 rows 0.91-0.95. At 8 rows
+// (two tiles) 1.01-1.07, hence 3 (docs/kernels.md).
+constexpr int64_t kSpreadTiles = 3;
 // Most bytes of one panel's k-block (64 columns x k elements): with the
 // input rows' block and the next panel asked for beside it, inside a 1 MiB
 // L2. A K that fits is one block: splitting it would only add the partial
@@ -107,28 +123,51 @@ inline bool keep_partial(const Partial& pt, const __m512 (&acc)[MB][4]) {
 }
 
 // Ask for one k-row of the next panel (256 bytes: four lines) into L2.
-inline void ask_for(const void* p) {
-  const char* c = static_cast<const char*>(p);
+inline void ask_for(const char* c) {
   _mm_prefetch(c, _MM_HINT_T1);
   _mm_prefetch(c + 64, _MM_HINT_T1);
   _mm_prefetch(c + 128, _MM_HINT_T1);
   _mm_prefetch(c + 192, _MM_HINT_T1);
 }
 
+// What one row tile asks for of the next panel, a k-row (bf16: a pair-row;
+// 256 bytes either way) at a time from `at`: kSpread, `rows` rows spread
+// evenly over the tile's `steps` k-steps (for_each_panel gives each row tile
+// its share of the panel); else one row every k-step, the whole panel.
+struct Ask {
+  const char* at;  // the next row to ask for; null: none
+  int64_t rows;
+  int64_t steps;
+  int64_t credit = 0;  // rows x k-steps taken, less steps per row asked for
+};
+
+template <bool kSpread>
+inline void ask_step(Ask& a, int64_t k) {
+  if constexpr (kSpread) {
+    a.credit += a.rows;
+    if (a.credit < a.steps) return;
+    a.credit -= a.steps;
+    ask_for(a.at);
+    a.at += 256;
+  } else if (a.at) {  // loop-invariant: the compiler takes it out of the loop
+    ask_for(a.at + 256 * k);
+  }
+}
+
 // y[r][0:64] = x[r] . panel + bias, for MB rows, over one k-block of `kl`
 // elements; x: the block's first input element, rows ldx apart; b: the
-// panel's first element in the block (k-rows of 64, in order); next: the
-// panel the thread reads next, asked for while this one computes.
-template <int MB>
+// panel's first element in the block (k-rows of 64, in order); ask: this
+// tile's share of the panel the thread reads next, asked for while it computes.
+template <int MB, bool kSpread>
 inline void tile_f32(const float* __restrict x, int64_t ldx, int64_t kl, const float* __restrict b,
-                     const float* bias, const Partial& pt, float* __restrict y, int64_t ldy, const float* next) {
+                     const float* bias, const Partial& pt, float* __restrict y, int64_t ldy, Ask ask) {
   __m512 acc[MB][4];
   start_acc<MB>(bias, pt, acc);
   for (int64_t k = 0; k < kl; ++k) {
     const float* bk = b + k * kPanel;
     const __m512 b0 = _mm512_loadu_ps(bk), b1 = _mm512_loadu_ps(bk + 16);
     const __m512 b2 = _mm512_loadu_ps(bk + 32), b3 = _mm512_loadu_ps(bk + 48);
-    if (next) ask_for(next + k * kPanel);
+    ask_step<kSpread>(ask, k);
 #pragma GCC unroll 6
     for (int r = 0; r < MB; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
@@ -148,17 +187,17 @@ inline void tile_f32(const float* __restrict x, int64_t ldx, int64_t kl, const f
 // The bf16 form: each step takes a pair of k (one vdpbf16ps per 16 columns;
 // a k-row pair of the panel is 128 elements), accumulates in fp32 (across
 // k-blocks too) and rounds to bf16 once at the end (to nearest even). kl is even.
-template <int MB>
+template <int MB, bool kSpread>
 inline void tile_bf16(const uint16_t* __restrict x, int64_t ldx, int64_t kl, const uint16_t* __restrict b,
                       const float* bias, const Partial& pt, uint16_t* __restrict y, int64_t ldy,
-                      const uint16_t* next) {
+                      Ask ask) {
   __m512 acc[MB][4];
   start_acc<MB>(bias, pt, acc);
   for (int64_t kp = 0; kp < kl / 2; ++kp) {
     const uint16_t* bk = b + kp * 2 * kPanel;
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bk), b1 = (__m512bh)_mm512_loadu_si512(bk + 32);
     const __m512bh b2 = (__m512bh)_mm512_loadu_si512(bk + 64), b3 = (__m512bh)_mm512_loadu_si512(bk + 96);
-    if (next) ask_for(next + kp * 2 * kPanel);
+    ask_step<kSpread>(ask, kp);
 #pragma GCC unroll 6
     for (int r = 0; r < MB; ++r) {
       uint32_t pair;
@@ -306,16 +345,23 @@ void for_each_panel(int64_t M, int64_t K, int64_t N, const T* x, const T* w, con
         // Row tiles as equal as they come (32 rows: 6, 6, 5, 5, 5, 5, not
         // five of 6 and one of 2): a short tile pays a panel's reload for few FMAs.
         const int64_t tiles = (m1 - m0 + kRows - 1) / kRows, base = (m1 - m0) / tiles, longer = (m1 - m0) % tiles;
+        // From kSpreadTiles row tiles a panel, tile t asks for the t-th share
+        // of the next panel's k-rows, spread over its k-steps (Ask); with
+        // fewer, every tile asks for the whole next panel as it goes.
+        const int64_t steps = sizeof(T) == 2 ? kl / 2 : kl;
         int64_t m = m0;
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t rows = base + (t < longer);
-          // Every row tile asks for the next panel again: on the Zen 5 EPYC
-          // a request made once, during the first tile, left ~8 % of a 0.5B
-          // decode step waiting on memory (docs/benchmarks.md).
+          const int64_t a0 = steps * t / tiles, a1 = steps * (t + 1) / tiles;
+          const char* nx = reinterpret_cast<const char*>(next);
           dispatch_rows<kRows>(rows, [&](auto mb) {
             float* sums = part ? part + m * N + p * kPanel : nullptr;
             const Partial pt{first ? nullptr : sums, last ? nullptr : sums, N};
-            tile(mb, x + m * K + k0, kl, b, bp, pt, y + m * N + p * kPanel, next);
+            if (tiles >= kSpreadTiles)
+              tile(mb, std::true_type{}, x + m * K + k0, kl, b, bp, pt, y + m * N + p * kPanel,
+                   Ask{nx ? nx + 256 * a0 : nullptr, nx ? a1 - a0 : 0, steps});
+            else
+              tile(mb, std::false_type{}, x + m * K + k0, kl, b, bp, pt, y + m * N + p * kPanel, Ask{nx, steps, steps});
           });
           m += rows;
         }
@@ -371,9 +417,9 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
     const float* wp = static_cast<const float*>(weight_data(w));
     float* yp = y.data_ptr<float>();
     for_each_panel<float>(M, K, n, x.data_ptr<float>(), wp, bp, yp, yp,
-                          [&](auto mb, const float* xr, int64_t kl, const float* b, const float* bh, const Partial& pt,
-                              float* yr, const float* next) {
-                            tile_f32<decltype(mb)::value>(xr, K, kl, b, bh, pt, yr, n, next);
+                          [&](auto mb, auto spread, const float* xr, int64_t kl, const float* b, const float* bh,
+                              const Partial& pt, float* yr, Ask ask) {
+                            tile_f32<decltype(mb)::value, decltype(spread)::value>(xr, K, kl, b, bh, pt, yr, n, ask);
                           });
     return y;
   }
@@ -400,9 +446,9 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
     at::Tensor part;  // fp32 sums between k-blocks (none with a single block)
     if (k_block(K, 2) < K) part = at::empty({M, n}, x.options().dtype(at::kFloat));
     for_each_panel<uint16_t>(M, K, n, xp, wp, bp, yp, part.defined() ? part.data_ptr<float>() : nullptr,
-                             [&](auto mb, const uint16_t* xr, int64_t kl, const uint16_t* b, const float* bh,
-                                const Partial& pt, uint16_t* yr, const uint16_t* next) {
-                              tile_bf16<decltype(mb)::value>(xr, K, kl, b, bh, pt, yr, n, next);
+                             [&](auto mb, auto spread, const uint16_t* xr, int64_t kl, const uint16_t* b,
+                                const float* bh, const Partial& pt, uint16_t* yr, Ask ask) {
+                              tile_bf16<decltype(mb)::value, decltype(spread)::value>(xr, K, kl, b, bh, pt, yr, n, ask);
                             });
     return y;
   }
