@@ -101,6 +101,18 @@ struct Partial {
   int64_t ldp;
 };
 
+// What one row tile asks for of the next panel, a k-row (bf16: a pair-row;
+// 256 bytes either way) at a time from `at`: kSpread, `rows` rows spread
+// evenly over the tile's `steps` k-steps (for_each_panel gives each row tile
+// its share of the panel); else one row every k-step, the whole panel.
+// Outside the AVX-512 block too, as Partial.
+struct Ask {
+  const char* at;  // the next row to ask for; null: none
+  int64_t rows;
+  int64_t steps;
+  int64_t credit = 0;  // rows x k-steps taken, less steps per row asked for
+};
+
 #if defined(__AVX512F__)
 
 // A tile's accumulators start at the sums of the earlier k-blocks, or at its
@@ -129,17 +141,6 @@ inline void ask_for(const char* c) {
   _mm_prefetch(c + 128, _MM_HINT_T1);
   _mm_prefetch(c + 192, _MM_HINT_T1);
 }
-
-// What one row tile asks for of the next panel, a k-row (bf16: a pair-row;
-// 256 bytes either way) at a time from `at`: kSpread, `rows` rows spread
-// evenly over the tile's `steps` k-steps (for_each_panel gives each row tile
-// its share of the panel); else one row every k-step, the whole panel.
-struct Ask {
-  const char* at;  // the next row to ask for; null: none
-  int64_t rows;
-  int64_t steps;
-  int64_t credit = 0;  // rows x k-steps taken, less steps per row asked for
-};
 
 template <bool kSpread>
 inline void ask_step(Ask& a, int64_t k) {
