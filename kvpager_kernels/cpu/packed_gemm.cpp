@@ -10,11 +10,12 @@
 // 64-column panel at a time, in order: register tiles of at most 6 rows x 64
 // columns (24 accumulators), and while it computes one panel it asks for the
 // next into L2 (in shares spread over its row tiles), so the weights stream
-// from memory once per step in one sequential pass. (The first form took 32-column halves of panels in 12-row
-// tiles: every other pair of lines of the buffer, a pattern the hardware's
-// stream prefetcher follows less well. On the Zen 5 EPYC the 0.5B Llama's
-// decode linears at 32 rows went 69 -> 61 ms a step in fp32 and 33 -> 30 in
-// bf16, one row 30 -> 22 ms; docs/benchmarks.md.) A long K (the MLP's down
+// from memory once per step in one sequential pass. (The first form took
+// 32-column halves of panels in 12-row tiles: every other pair of lines of
+// the buffer, a pattern the hardware's stream prefetcher follows less
+// well. On the Zen 5 EPYC the 0.5B Llama's decode linears at 32 rows went
+// 69 -> 61 ms a step in fp32 and 33 -> 30 in bf16, one row 30 -> 22 ms;
+// docs/benchmarks.md.) A long K (the MLP's down
 // projection) is taken in blocks, so that a block of the input rows, the
 // panel block being read and the next one asked for all stay in L2. The sums
 // stay fp32 between blocks, in the same order: the product is bit-identical.
@@ -350,11 +351,11 @@ void for_each_panel(int64_t M, int64_t K, int64_t N, const T* x, const T* w, con
         // of the next panel's k-rows, spread over its k-steps (Ask); with
         // fewer, every tile asks for the whole next panel as it goes.
         const int64_t steps = sizeof(T) == 2 ? kl / 2 : kl;
+        const char* nx = reinterpret_cast<const char*>(next);
         int64_t m = m0;
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t rows = base + (t < longer);
           const int64_t a0 = steps * t / tiles, a1 = steps * (t + 1) / tiles;
-          const char* nx = reinterpret_cast<const char*>(next);
           dispatch_rows<kRows>(rows, [&](auto mb) {
             float* sums = part ? part + m * N + p * kPanel : nullptr;
             const Partial pt{first ? nullptr : sums, last ? nullptr : sums, N};
